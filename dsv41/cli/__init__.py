@@ -1,0 +1,1 @@
+"""The click command line: `dsv41 --help`."""

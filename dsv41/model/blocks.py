@@ -1,0 +1,50 @@
+"""One backbone layer: (Engram) -> mHC-wrapped CSA2 attention -> mHC-wrapped MoE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv41.config import LayerSpec, TextConfig
+from dsv41.model import mhc
+from dsv41.model.attention import Attention, SharedAttention
+from dsv41.model.layers import RMSNorm
+from dsv41.model.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, t: TextConfig, spec: LayerSpec, with_vision_bias: bool, device=None):
+        super().__init__()
+        self.spec = spec
+        self.hc, self.iters, self.hc_eps, self.eps = t.hc_mult, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps
+        self.attn = Attention(t, spec, device)
+        self.ffn = MoE(t.hidden_size, t.moe_intermediate_size, t.n_routed_experts, t.num_experts_per_tok,
+                       t.routed_scaling_factor, t.scoring_func, t.swiglu_limit, with_vision_bias, device)
+        self.attn_norm = RMSNorm(t.hidden_size, self.eps, device)
+        self.ffn_norm = RMSNorm(t.hidden_size, self.eps, device)
+        n_mix, width = (2 + self.hc) * self.hc, self.hc * t.hidden_size
+        for sub in ("attn", "ffn"):
+            self.register_parameter(f"hc_{sub}_fn", _fp32(device, n_mix, width))
+            self.register_parameter(f"hc_{sub}_base", _fp32(device, n_mix))
+            self.register_parameter(f"hc_{sub}_scale", _fp32(device, 3))
+        self.engram = None  # set by the model for Engram layers
+
+    def coefficients(self, x: torch.Tensor, sub: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        fn, scale, base = (getattr(self, f"hc_{sub}_{name}") for name in ("fn", "scale", "base"))
+        return mhc.predict(x, fn, scale, base, self.hc, self.iters, self.hc_eps, self.eps)
+
+    def forward(
+        self, x: torch.Tensor, pre_mix: torch.Tensor, table: torch.Tensor, shared: SharedAttention,
+        image_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, hc, dim]; pre_mix is the previous sub-layer's pre. Returns (stream, ffn pre)."""
+        attn_pre, attn_post, attn_comb = self.coefficients(x, "attn")
+        out = self.attn(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
+        x = mhc.expand(out, x, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = self.coefficients(x, "ffn")
+        out = self.ffn(self.ffn_norm(mhc.collapse(x, attn_pre)), image_mask)
+        return mhc.expand(out, x, ffn_post, ffn_comb), ffn_pre
+
+
+def _fp32(device, *shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float32, device=device), requires_grad=False)

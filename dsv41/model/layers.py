@@ -1,0 +1,95 @@
+"""Basic modules whose parameters are the official checkpoint tensors (names, shapes, dtypes)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41.model.quant import block_scaled_matmul, fp8_quant, unpack_e2m1
+
+BLOCK = 32  # FP8 weight blocks are 32x32; FP4 expert scales and activation scales cover 32 along K
+
+
+class Storage(StrEnum):
+    FP8 = "fp8"  # E4M3 weight [out, in] + E8M0 scale [ceil(out/32), ceil(in/32)]
+    FP4 = "fp4"  # packed E2M1 pairs as int8 [out, in/2] + E8M0 scale [out, in/32]
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+
+def _weight_tensors(storage: Storage, n_out: int, n_in: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def ceil(n: int) -> int:
+        return (n + BLOCK - 1) // BLOCK
+
+    if storage is Storage.FP8:
+        weight = torch.empty(n_out, n_in, dtype=torch.float8_e4m3fn, device=device)
+        return weight, torch.empty(ceil(n_out), ceil(n_in), dtype=torch.float8_e8m0fnu, device=device)
+    if storage is Storage.FP4:
+        weight = torch.empty(n_out, n_in // 2, dtype=torch.int8, device=device)
+        return weight, torch.empty(n_out, n_in // BLOCK, dtype=torch.float8_e8m0fnu, device=device)
+    dtype = torch.bfloat16 if storage is Storage.BF16 else torch.float32
+    return torch.empty(n_out, n_in, dtype=dtype, device=device), None
+
+
+class Linear(nn.Module):
+    """y = x W^T. Quantized weights take an FP8-quantized activation and a block-scaled fp32 GEMM
+    with a bf16 result, as the reference does; bf16/fp32 weights use a plain matmul."""
+
+    def __init__(self, n_in: int, n_out: int, storage: Storage = Storage.FP8, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.storage = n_in, n_out, Storage(storage)
+        weight, scale = _weight_tensors(self.storage, n_out, n_in, device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scale = None if scale is None else nn.Parameter(scale, requires_grad=False)
+        self._dequant: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def n_params(self) -> int:
+        """Logical weight elements (packed FP4 counts two per byte; scales not counted)."""
+        return self.in_features * self.out_features
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weight values (fp32, unscaled) and per-row per-32 scales, cached until the weight changes."""
+        key = (self.weight.data_ptr(), self.weight._version, self.scale._version)
+        if self._dequant is None or self._dequant[0] != key:
+            if self.storage is Storage.FP4:
+                values, scale = unpack_e2m1(self.weight), self.scale.float()
+            else:
+                values = self.weight.float()
+                scale = self.scale.float().repeat_interleave(BLOCK, dim=0)[: self.out_features]
+            self._dequant = (key, values, scale)
+        return self._dequant[1], self._dequant[2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return F.linear(x, self.weight)
+        values, scale = self.dequantized()
+        q, q_scale = fp8_quant(x, BLOCK)
+        flat = q.reshape(-1, self.in_features).float()
+        y = block_scaled_matmul(flat, q_scale.reshape(flat.size(0), -1), values, scale, BLOCK)
+        return y.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+class Embedding(nn.Module):
+    def __init__(self, n_rows: int, dim: int, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_rows, dim, dtype=torch.bfloat16, device=device),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)

@@ -1,0 +1,157 @@
+"""Number formats of the V4.1 release, as the official reference rounds them (SPEC.md §4.1).
+
+Three quantizers matter:
+- FP8 activations (E4M3, 32 per power-of-two scale, scale rounded *up*): before every FP8/FP4 GEMM
+  and for the SWA cache;
+- MXFP4 (E2M1, 32 per E8M0 scale, rounded up): indexer queries and keys;
+- FP4 with E4M3 scales (E2M1, 16 per E4M3(amax/6) scale, no global scale): main compressed KV.
+
+`*_qdq` functions quantize then dequantize back to the input dtype, which is how the reference
+simulates the caches. Power-of-two scales here round up, unlike OCP MX's round-down convention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+_FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+
+# E2M1 magnitudes by 3-bit code; a 4-bit code adds the sign as bit 3.
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_TABLE = torch.cat([E2M1_GRID, -E2M1_GRID])
+# Midpoints between neighbouring magnitudes; a value exactly on one rounds to the even code,
+# which is the upper neighbour for the 2nd, 4th and 6th midpoint (0.75, 1.75, 3.5).
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_E2M1_TIE_GOES_UP = torch.tensor([False, True, False, True, False, True, False])
+
+
+def pow2_scale_ceil(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
+    """2**ceil(log2(amax * max_inv)) in fp32, read off the exponent and mantissa bits."""
+    ratio = (amax.float() * max_inv).contiguous()
+    bits = ratio.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    has_fraction = (bits & 0x7FFFFF) != 0
+    return ((exponent + has_fraction.to(torch.int32)) << 23).view(torch.float32)
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E4M3 with round-to-nearest-even, saturating at ±448 instead of producing NaN."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values in [-6, 6] -> 4-bit E2M1 codes (uint8), round-to-nearest-even."""
+    magnitude = x.abs().contiguous()
+    code = torch.bucketize(magnitude, _E2M1_MIDPOINTS, right=False)
+    on_midpoint = (code < len(_E2M1_MIDPOINTS)) & (
+        magnitude == _E2M1_MIDPOINTS[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)]
+    )
+    code = code + (on_midpoint & _E2M1_TIE_GOES_UP[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)])
+    return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    return E2M1_TABLE[codes.long()]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] 4-bit codes -> [..., K/2] bytes, the even element in the low nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] bytes (uint8 or int8 storage) -> [..., K] fp32 values."""
+    b = packed.view(torch.uint8)
+    return torch.stack([e2m1_values(b & 0x0F), e2m1_values(b >> 4)], dim=-1).flatten(-2)
+
+
+def _groups(x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.size(-1) % block:
+        raise ValueError(f"last dim {x.size(-1)} is not a multiple of the quantization block {block}")
+    return x.float().unflatten(-1, (-1, block))
+
+
+def fp8_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 activation quantization: (E4M3 values [..., K], fp32 pow-2 scales [..., K/block])."""
+    groups = _groups(x, block)
+    amax = groups.abs().amax(dim=-1).clamp_min(1e-4)
+    scale = pow2_scale_ceil(amax, _FP8_MAX_INV)
+    return to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2), scale
+
+
+def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    values, scale = fp8_quant(x, block)
+    return (values.float().unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+def _fp4_scaled(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    groups = _groups(x, block)
+    amax = groups.abs().amax(dim=-1)
+    if e4m3_scale:
+        scale = to_e4m3(amax.clamp_min(6 * 2**-9) / FP4_MAX).float()
+    else:
+        scale = pow2_scale_ceil(amax.clamp_min(6 * 2**-126), _FP4_MAX_INV)
+    return (groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX), scale
+
+
+def fp4_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 quantization: (packed E2M1 bytes [..., K/2], fp32 scales [..., K/block]).
+
+    `e4m3_scale` selects the main-KV format (block 16, E4M3 scale); otherwise MXFP4 (block 32, E8M0).
+    """
+    scaled, scale = _fp4_scaled(x, block, e4m3_scale)
+    return pack_e2m1(e2m1_codes(scaled).flatten(-2)), scale
+
+
+def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
+    scaled, scale = _fp4_scaled(x, block, e4m3_scale)
+    return (e2m1_values(e2m1_codes(scaled)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+def main_kv_qdq(x: torch.Tensor) -> torch.Tensor:
+    """Main compressed KV: E2M1 with one E4M3 scale per 16 channels."""
+    return fp4_qdq(x, 16, e4m3_scale=True)
+
+
+def mxfp4_qdq(x: torch.Tensor) -> torch.Tensor:
+    """Indexer queries and keys: E2M1 with one E8M0 scale per 32 channels."""
+    return fp4_qdq(x, 32, e4m3_scale=False)
+
+
+def block_scaled_matmul(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int = 32
+) -> torch.Tensor:
+    """sum over K blocks of (A_k W_k^T) * a_scale_k * w_scale_k, in fp32, blocks added in K order.
+
+    a [M, K] and w [N, K] hold the quantized values as fp32; a_scale [M, K/block] and w_scale
+    [N, K/block] are per row. Products of FP8/FP4 values are exact in fp32, so this reproduces the
+    reference GEMM up to the summation order inside one block.
+    """
+    m, k = a.shape
+    n, nk = w.size(0), k // block
+    partials = torch.bmm(a.view(m, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
+    acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    for i in range(nk):
+        acc += partials[i] * a_scale[:, i : i + 1] * w_scale[:, i].unsqueeze(0)
+    return acc
+
+
+def quantize_weight_fp8(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [out, in] -> (E4M3 [out, in], E8M0 scale per block x block tile), the
+    checkpoint format of the release's FP8 linears."""
+    n_out, n_in = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -n_in % block, 0, -n_out % block))
+    tiles = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [ro, block, ci, block]
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4)
+    scale = pow2_scale_ceil(amax, _FP8_MAX_INV)
+    q = to_e4m3(tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n_out, :n_in]
+    return q.contiguous(), scale.to(torch.float8_e8m0fnu)
+
+
+def quantize_weight_fp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert weight [out, in] -> (packed E2M1 as int8 [out, in/2], E8M0 scale [out, in/block])."""
+    packed, scale = fp4_quant(w, block, e4m3_scale=False)
+    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)

@@ -1,0 +1,67 @@
+"""Rotary embeddings: interleaved pairs on the last `rope_dim` channels (SPEC.md §3.4).
+
+Two tables per model: ratio-0 layers (and DSpark) use rope_theta without YaRN; layers with a global
+branch use compress_rope_theta with YaRN for every rotation they apply.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from dsv41.config import Rope, TextConfig
+
+
+def yarn_band(rope_dim: int, theta: float, original_len: int, beta_fast: float, beta_slow: float) -> tuple[int, int]:
+    """The (low, high) frequency indices between which YaRN fades from interpolated to original."""
+
+    def dim_for(rotations: float) -> float:
+        return rope_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dim_for(beta_fast)), 0)
+    high = min(math.ceil(dim_for(beta_slow)), rope_dim - 1)
+    return low, high
+
+
+def inverse_frequencies(rope_dim: int, theta: float, yarn: tuple[int, float, float, float] | None) -> torch.Tensor:
+    """theta^(-2i/rope_dim); with YaRN (original_len, factor, beta_fast, beta_slow) the low
+    frequencies are divided by `factor`, blended linearly across the YaRN band."""
+    freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if yarn is None:
+        return freqs
+    original_len, factor, beta_fast, beta_slow = yarn
+    low, high = yarn_band(rope_dim, theta, original_len, beta_fast, beta_slow)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    keep = 1 - ramp
+    return freqs / factor * (1 - keep) + freqs * keep
+
+
+@lru_cache(maxsize=8)
+def rotation_table(rope_dim: int, n_positions: int, theta: float, yarn: tuple | None) -> torch.Tensor:
+    """complex64 [n_positions, rope_dim/2]: e^{i p f} for every position p."""
+    angles = torch.outer(torch.arange(n_positions), inverse_frequencies(rope_dim, theta, yarn))
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def table_for(t: TextConfig, kind: Rope, n_positions: int) -> torch.Tensor:
+    if kind is Rope.PLAIN:
+        return rotation_table(t.qk_rope_head_dim, n_positions, float(t.rope_theta), None)
+    s = t.rope_scaling
+    yarn = (s.original_max_position_embeddings, float(s.factor), float(s.beta_fast), float(s.beta_slow))
+    return rotation_table(t.qk_rope_head_dim, n_positions, float(t.compress_rope_theta), yarn)
+
+
+def rotate(x: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last `2 * table.size(-1)` channels of x [batch, seq, dim] or [batch, seq, heads, dim]
+    by `table` [seq, rope_dim/2] (one row per position of x); returns a new tensor in x's dtype."""
+    rope_dim = 2 * table.size(-1)
+    head, tail = x[..., :-rope_dim], x[..., -rope_dim:]
+    pairs = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
+    if inverse:
+        table = table.conj()
+    if x.ndim == 4:
+        table = table.unsqueeze(1)  # broadcast over heads
+    rotated = torch.view_as_real(pairs * table).flatten(-2).to(x.dtype)
+    return torch.cat([head, rotated], dim=-1)

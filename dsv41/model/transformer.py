@@ -1,0 +1,109 @@
+"""The V4.1 text network: embed -> 4 mHC streams -> 40 blocks -> collapse -> norm -> head.
+
+Module and parameter names are the official checkpoint names (`embed.weight`,
+`layers.{i}.attn.wq_a.weight` / `.scale`, `layers.{i}.ffn.experts.{e}.w1.weight`, `head.weight`, ...)
+so weights load by name. The vision tower and DSpark stages attach to the seams marked below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsv41.config import ModelConfig, Part
+from dsv41.model import mhc
+from dsv41.model.attention import SharedAttention
+from dsv41.model.blocks import Block
+from dsv41.model.engram import Engram, EngramHasher
+from dsv41.model.layers import Embedding, Linear, RMSNorm, Storage
+from dsv41.model.rope import table_for
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [b, s, vocab] fp32
+    hidden: torch.Tensor  # [b, s, dim] final normed hidden state
+    main_hidden: torch.Tensor | None  # [b, s, n_targets * dim]: DSpark's input (SPEC.md §8)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, token_map: list[int] | None = None, device=None):
+        super().__init__()
+        t = config.text_config
+        self.config, self.plan = config, config.plan
+        with_vision = config.vision_config.num_hidden_layers > 0
+        self.embed = Embedding(t.vocab_size, t.hidden_size, device)
+        self.layers = nn.ModuleList(Block(t, spec, with_vision, device) for spec in self.plan.backbone)
+        for index, layer in enumerate(t.engram_layer_ids):
+            self.layers[layer].engram = Engram(t, index, device)
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, device)
+        self.head = Linear(t.hidden_size, t.vocab_size, Storage.FP32, device)
+        self.hasher = EngramHasher.build(t, token_map) if t.engram_layer_ids and token_map is not None else None
+
+    def embed_inputs(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [b, s, dim]; the vision issue overwrites image spans here."""
+        return self.embed(ids)
+
+    def forward(
+        self, ids: torch.Tensor, image_mask: torch.Tensor | None = None, trace: dict | None = None
+    ) -> ForwardOutput:
+        """Every position of ids [b, s] through every layer, positions 0..s-1 (no caches).
+
+        image_mask [b, s] marks image-span tokens (VL routing bias, dead for Engram). `trace`, when
+        given, receives per-layer intermediates keyed 'layer{i}.{name}'.
+        """
+        t = self.config.text_config
+        s = ids.size(1)
+        live = None if image_mask is None else ~image_mask
+        rows = self._engram_rows(ids, live)
+        x = self.embed_inputs(ids).unsqueeze(2).repeat(1, 1, t.hc_mult, 1)
+        pre_mix = mhc.first_pre_mix(x, t.hc_mult)
+        shared = SharedAttention(trace=trace)
+        targets = []
+        for layer in self.layers:
+            spec = layer.spec
+            if layer.engram is not None:
+                x = layer.engram(x, rows[:, :, layer.engram.table_index], live)
+            if spec.dspark_target:
+                targets.append(x.mean(dim=2))
+            x, pre_mix = layer(x, pre_mix, table_for(t, spec.rope, s), shared, image_mask)
+            if trace is not None:
+                trace[f"layer{spec.layer_id}.out_h"] = x
+        hidden = self.norm(mhc.collapse(x, pre_mix))
+        logits = torch.nn.functional.linear(hidden.float(), self.head.weight)
+        return ForwardOutput(logits, hidden, torch.cat(targets, dim=-1) if targets else None)
+
+    def _engram_rows(self, ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor | None:
+        if not self.config.text_config.engram_layer_ids:
+            return None
+        if self.hasher is None:
+            raise RuntimeError("this model has Engram layers but was built without a compressed token map")
+        return self.hasher(ids, live)
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Logical parameters by part (packed FP4 counts two values per byte; scales excluded)."""
+        counts = {"embed+head": 0, "encoder dense": 0, "decoder dense": 0, "routed experts": 0, "engram tables": 0}
+        for name, p in self.named_parameters():
+            if name.endswith(".scale") and p.dtype == torch.float8_e8m0fnu:
+                continue
+            n = p.numel() * (2 if p.dtype == torch.int8 else 1)
+            counts[self._part_of(name)] += n
+        return counts
+
+    def _part_of(self, name: str) -> str:
+        if not name.startswith("layers."):
+            return "embed+head"
+        if ".ffn.experts." in name:
+            return "routed experts"
+        if ".engram.embed." in name:
+            return "engram tables"
+        layer = int(name.split(".")[1])
+        return "encoder dense" if self.plan.layers[layer].part is Part.ENCODER else "decoder dense"
+
+
+def build_model(config: ModelConfig, token_map: list[int] | None = None, device: str | None = None) -> Transformer:
+    """Build with uninitialised weights ('meta' builds shapes only, for the official config)."""
+    with torch.device(device or "cpu"):
+        return Transformer(config, token_map, device).eval()
