@@ -11,13 +11,13 @@ import json
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
-from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import msgspec
 
 BUILTIN_CONFIGS = ("official", "mini", "micro")
+CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -181,7 +181,7 @@ def config_from_dict(data: Any, source: str = "<dict>") -> ModelConfig:
 def load_config(name_or_path: str | Path) -> ModelConfig:
     """Load a built-in config by name (`official`, `mini`, `micro`) or a config.json by path."""
     if str(name_or_path) in BUILTIN_CONFIGS:
-        text = resources.files("dsv41").joinpath("configs", f"{name_or_path}.json").read_text()
+        text = (CONFIG_DIR / f"{name_or_path}.json").read_text()
         source = f"built-in '{name_or_path}'"
     else:
         path = Path(name_or_path)
