@@ -310,10 +310,16 @@ def _validate_layer_lists(t: TextConfig, need) -> None:
         for layer in t.dspark_target_layer_ids:
             need(0 <= layer < n_layers, "text_config.dspark_target_layer_ids", layer,
                  f"DSpark target layer does not exist (backbone layers are 0..{n_layers - 1})")
-    need(t.candidate_topk_blocks * t.candidate_block_size >= t.index_topk, "text_config.candidate_topk_blocks",
-         t.candidate_topk_blocks,
+    guaranteed = (t.candidate_topk_blocks - 1) * t.candidate_block_size + 1  # newest block may hold one entry
+    need(guaranteed >= t.index_topk, "text_config.candidate_topk_blocks", t.candidate_topk_blocks,
          f"the candidate pool ({t.candidate_topk_blocks} blocks x {t.candidate_block_size}) cannot hold "
-         f"index_topk = {t.index_topk} entries")
+         f"index_topk = {t.index_topk} entries (it is sure to hold {guaranteed} when the newest block has one)")
+    if t.engram_layer_ids and len(t.engram_num_embeddings) == len(t.engram_layer_ids) and t.engram_n_heads > 0:
+        from dsv41.model.engram import table_rows
+
+        for given, rows in zip(t.engram_num_embeddings, table_rows(t), strict=True):
+            need(given == rows, "text_config.engram_num_embeddings", given,
+                 f"the prime table layout gives {rows} rows for this table")
 
 
 def _validate_sharing(t: TextConfig, need) -> None:
@@ -387,6 +393,12 @@ class LayerSpec:
     dspark_target: bool  # the stream entering this layer feeds DSpark
 
 
+def _part_of(layer: int, decoder_start: int, n_backbone: int) -> Part:
+    if layer >= n_backbone:
+        return Part.DSPARK
+    return Part.ENCODER if layer < decoder_start else Part.DECODER
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     layers: tuple[LayerSpec, ...]
@@ -398,10 +410,7 @@ class LayerPlan:
         half = t.num_hidden_layers // 2
         cand = t.candidate_source_layer_id
         for layer, ratio in enumerate(t.compress_ratios):
-            if layer >= t.num_hidden_layers:
-                part = Part.DSPARK
-            else:
-                part = Part.ENCODER if layer < half else Part.DECODER
+            part = Part.DSPARK if layer >= t.num_hidden_layers else Part.ENCODER if layer < half else Part.DECODER
             if ratio == 0 or part is Part.DSPARK:
                 mode, kv, topk = Mode.SWA, None, None
             else:

@@ -49,7 +49,8 @@ def compression_key(decoded: str, raw_token: str) -> str:
 def compressed_token_map(decoded: list[str], raw_tokens: list[str]) -> tuple[list[int], int]:
     """Map token id -> compressed id, ids assigned in first-seen order. Returns (map, size)."""
     ids: dict[str, int] = {}
-    mapping = [ids.setdefault(compression_key(text, raw), len(ids)) for text, raw in zip(decoded, raw_tokens)]
+    pairs = zip(decoded, raw_tokens, strict=True)
+    mapping = [ids.setdefault(compression_key(text, raw), len(ids)) for text, raw in pairs]
     return mapping, len(ids)
 
 

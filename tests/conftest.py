@@ -1,0 +1,24 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv41.model.reference import random_model
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+GOLDEN = SHARED / "reference" / "golden"
+
+
+@pytest.fixture(scope="session")
+def micro():
+    return random_model("micro", seed=1)
+
+
+@pytest.fixture
+def rng() -> torch.Generator:
+    """A fresh generator per test, seeded from the wall clock so inputs differ between runs."""
+    import time
+
+    seed = time.time_ns() % 2**31
+    print(f"rng seed {seed}")
+    return torch.Generator().manual_seed(seed)

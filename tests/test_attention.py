@@ -1,0 +1,54 @@
+import torch
+from safetensors.torch import load_file
+
+from dsv41.model.attention import select_candidate_blocks, sparse_attention, visible_entries, window_indices
+
+from .conftest import GOLDEN
+
+
+def test_window_is_exactly_the_last_w_positions_including_the_current_one():
+    idx = window_indices(seq_len=20, window=8)
+    for p in range(20):
+        seen = sorted(i for i in idx[p].tolist() if i >= 0)
+        assert seen == list(range(max(0, p - 7), p + 1))
+
+
+def test_visible_entries_of_ratio_2_need_a_complete_pair_and_ratio_1_sees_the_current_token():
+    assert visible_entries(6, 2).flatten().tolist() == [0, 1, 1, 2, 2, 3]
+    assert visible_entries(4, 1).flatten().tolist() == [1, 2, 3, 4]
+
+
+def test_sparse_attention_matches_official_golden_across_chunks():
+    u = load_file(GOLDEN / "units.safetensors")
+    out = sparse_attention(u["attn.q"], u["attn.kv"], u["attn.sink"], u["attn.topk_idxs"], 64**-0.5)
+    assert torch.equal(out, u["attn.out"])
+
+
+def test_sparse_attention_equals_a_dense_softmax_with_sink(rng):
+    q = torch.randn(1, 2, 3, 16, generator=rng).bfloat16()
+    kv = torch.randn(1, 150, 16, generator=rng).bfloat16()
+    sink = torch.randn(3, generator=rng)
+    idx = torch.randperm(150, generator=rng)[:130].view(1, 1, 130).repeat(1, 2, 1).int()
+    idx[0, 1, 100:] = -1
+    out = sparse_attention(q, kv, sink, idx, 0.25).float()
+    for row in range(2):
+        keys = kv[0, idx[0, row][idx[0, row] >= 0].long()].double()
+        logits = q[0, row].double() @ keys.T * 0.25
+        weights = torch.exp(logits) / (torch.exp(logits).sum(-1, keepdim=True) + torch.exp(sink.double())[:, None])
+        assert torch.allclose(out[0, row].double(), weights @ keys, rtol=2e-2, atol=2e-2)
+
+
+def test_candidate_blocks_match_official_goldens_and_keep_the_newest_block():
+    u = load_file(GOLDEN / "units.safetensors")
+    mask = select_candidate_blocks(u["cand.logits"], u["cand.lens"].view(1, 6, 1), 3, 4)
+    assert torch.equal(mask, u["cand.mask_topk3_bs4"])
+    assert torch.equal(select_candidate_blocks(u["cand.decode_logits"], 23, 3, 4),
+                       u["cand.decode_mask_len23_topk3_bs4"])
+
+
+def test_candidate_pool_forces_the_newest_block_even_when_it_scores_worst(rng):
+    scores = torch.randn(1, 1, 40, generator=rng)
+    scores[..., 36:38] = -100  # the newest (partial) block holds entries 36, 37
+    scores[..., 38:] = -torch.inf  # not visible yet
+    mask = select_candidate_blocks(scores, 38, 2, 4)
+    assert mask[0, 0, 36:40].all() and mask.sum() == 8

@@ -1,0 +1,40 @@
+import re
+
+from click.testing import CliRunner
+
+from dsv41.cli.main import cli
+
+
+def test_info_official_builds_on_meta_and_reports_spec_totals():
+    result = CliRunner().invoke(cli, ["info", "--config", "official"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+
+    def billions(label: str) -> float:
+        return float(re.search(rf"^{label}\s+([\d.]+) B", out, re.M).group(1))
+
+    # SPEC.md §10.3: backbone ≈ 552B, routed 543.58B, Engram tables 196.61B (within 1 %)
+    assert abs(billions("backbone") / 552 - 1) < 0.01
+    assert abs(billions("routed experts") / 543.58 - 1) < 0.01
+    assert abs(billions("engram tables") / 196.61 - 1) < 0.01
+    assert "total global KV per token: 890 B" in out
+    assert out.count(" reuse ") == 30 and out.count(" reindex ") == 4
+
+
+def test_generate_micro_prints_text_and_speed():
+    result = CliRunner().invoke(cli, ["generate", "--config", "micro", "--max-new-tokens", "3", "Hi"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("Hi")
+    assert re.search(r"\d+ tokens in [\d.]+ s: [\d.]+ tokens/s", result.stderr)
+
+
+def test_cli_errors_are_readable(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"text_config": {}}')
+    result = CliRunner().invoke(cli, ["info", "--config", str(bad)])
+    assert result.exit_code == 1
+    assert "missing required field" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(cli, ["generate", "--config", "official", "x"])
+    assert result.exit_code == 1 and "too large" in result.output
+    result = CliRunner().invoke(cli, ["generate", "--config", "micro", "--top-p", "0", "x"])
+    assert result.exit_code == 2 and "top-p" in result.output

@@ -1,0 +1,73 @@
+import torch
+from safetensors.torch import load_file
+
+from dsv41.config import Rope, load_config
+from dsv41.model import mhc, rope
+
+from .conftest import GOLDEN
+
+
+def test_sinkhorn_is_doubly_stochastic_after_20_iterations(rng):
+    # Mixing logits of moderate spread (std 0.5) converge within the release's 20 iterations.
+    mixes = torch.randn(4096, 24, generator=rng) * 0.5
+    scale, base = torch.ones(3), torch.zeros(24)
+    pre, post, comb = mhc.sinkhorn_split(mixes, scale, base, hc=4, iters=20, eps=1e-6)
+    assert torch.allclose(comb.sum(-1), torch.ones(4096, 4), atol=1e-5)
+    assert torch.allclose(comb.sum(-2), torch.ones(4096, 4), atol=1e-5)
+    assert (post > 0).all() and (post < 2).all() and (pre > 0).all() and (pre < 1 + 2e-6).all()
+
+
+def test_sinkhorn_columns_always_sum_to_one_and_skewed_rows_need_more_iterations(rng):
+    # Sharply peaked logits are not doubly stochastic after 20 rounds (rows off by up to ~1e-2, as in
+    # the official algorithm); the last step normalises columns, and more rounds converge the rows.
+    mixes = torch.randn(4096, 24, generator=rng) * 3
+    scale, base = torch.ones(3), torch.zeros(24)
+    _, _, comb = mhc.sinkhorn_split(mixes, scale, base, hc=4, iters=20, eps=1e-6)
+    assert torch.allclose(comb.sum(-2), torch.ones(4096, 4), atol=1e-5)
+    row_error_20 = (comb.sum(-1) - 1).abs().max()
+    _, _, comb = mhc.sinkhorn_split(mixes, scale, base, hc=4, iters=200, eps=1e-6)
+    assert (comb.sum(-1) - 1).abs().max() < row_error_20 / 5
+
+
+def test_sinkhorn_matches_official_golden():
+    u = load_file(GOLDEN / "units.safetensors")
+    pre, post, comb = mhc.sinkhorn_split(u["hc.mixes"], u["hc.scale"], u["hc.base"], 4, 20, 1e-6)
+    assert torch.equal(pre, u["hc.pre"]) and torch.equal(post, u["hc.post"]) and torch.equal(comb, u["hc.comb"])
+
+
+def test_collapse_and_expand_follow_the_transposed_comb(rng):
+    x = torch.randn(1, 2, 4, 8, generator=rng)
+    out = torch.randn(1, 2, 8, generator=rng)
+    post, comb = torch.rand(1, 2, 4, generator=rng), torch.rand(1, 2, 4, 4, generator=rng)
+    y = mhc.expand(out, x, post, comb)
+    j = 2
+    want = post[..., j, None] * out + sum(comb[..., i, j, None] * x[..., i, :] for i in range(4))
+    assert torch.allclose(y[..., j, :], want, atol=1e-6)
+    pre = torch.rand(1, 2, 4, generator=rng)
+    assert torch.allclose(mhc.collapse(x, pre), (pre.unsqueeze(-1) * x).sum(2), atol=1e-6)
+
+
+def test_rope_tables_match_official_goldens():
+    u = load_file(GOLDEN / "units.safetensors")
+    official = load_config("official").text_config
+    assert torch.equal(torch.view_as_real(rope.table_for(official, Rope.PLAIN, 40)), u["rope.official_swa.real_imag"])
+    assert torch.equal(torch.view_as_real(rope.table_for(official, Rope.YARN, 40)),
+                       u["rope.official_compressed.real_imag"])
+    table = rope.table_for(load_config("micro").text_config, Rope.YARN, 64)
+    rotated = rope.rotate(u["rope.apply_input_bf16"], table[7:12])
+    assert torch.equal(rotated, u["rope.apply_out_pos7to11"])
+    assert torch.equal(rope.rotate(rotated, table[7:12], inverse=True), u["rope.apply_then_inverse"])
+
+
+def test_yarn_band_for_the_release_is_15_to_25():
+    assert rope.yarn_band(64, 160000, 65536, 32, 1) == (15, 25)
+
+
+def test_rope_touches_only_the_last_dims_and_preserves_norm(rng):
+    x = torch.randn(1, 6, 3, 32, generator=rng)
+    table = rope.rotation_table(8, 6, 10000.0, None)
+    y = rope.rotate(x, table)
+    assert torch.equal(y[..., :24], x[..., :24])
+    pairs = lambda t: t[..., 24:].unflatten(-1, (-1, 2)).norm(dim=-1)  # noqa: E731
+    assert torch.allclose(pairs(y), pairs(x), atol=1e-5)
+    assert torch.allclose(y[:, 0], x[:, 0])  # position 0 is the identity rotation
