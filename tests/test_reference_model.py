@@ -5,6 +5,7 @@ import torch
 
 from dsv41.config import Mode
 from dsv41.model.reference import Sampling, forward, generate, random_model, sample_next
+from dsv41.model.trace import Trace
 
 
 def _ids(rng, n, vocab=320):
@@ -12,9 +13,15 @@ def _ids(rng, n, vocab=320):
 
 
 def _trace(model, ids):
-    trace = {}
+    trace = Trace()
     out = forward(model, ids, trace)
     return out, trace
+
+
+def _entries(trace, layer, seq_len):
+    """Global entry ids a layer attended to (the trace holds them offset by the SWA length)."""
+    idx = trace[f"layer{layer}.compress_topk_idxs"]
+    return torch.where(idx >= 0, idx - seq_len, -1)
 
 
 @pytest.mark.parametrize("cut", [16, 17, 31])
@@ -54,10 +61,10 @@ def test_reuse_layers_attend_with_their_producers_topk(micro, rng):
     plan = micro.plan
     for spec in plan.backbone:
         if spec.mode is Mode.REUSE:
-            assert torch.equal(trace[f"layer{spec.layer_id}.topk"], trace[f"layer{spec.topk_producer}.topk"])
+            assert torch.equal(_entries(trace, spec.layer_id, 40), _entries(trace, spec.topk_producer, 40))
     reindex = [s.layer_id for s in plan.backbone if s.mode is Mode.REINDEX]
     full = [s.layer_id for s in plan.backbone if s.mode is Mode.FULL and s.ratio == 1]
-    assert not torch.equal(trace[f"layer{reindex[0]}.topk"], trace[f"layer{full[0]}.topk"])
+    assert not torch.equal(_entries(trace, reindex[0], 40), _entries(trace, full[0], 40))
 
 
 def test_topk_entries_are_visible_ratio_2_complete_pairs_and_ratio_1_includes_the_current_token(micro, rng):
@@ -65,7 +72,7 @@ def test_topk_entries_are_visible_ratio_2_complete_pairs_and_ratio_1_includes_th
     for spec in micro.plan.backbone:
         if spec.mode is Mode.SWA:
             continue
-        topk = trace[f"layer{spec.layer_id}.topk"][0]
+        topk = _entries(trace, spec.layer_id, 40)[0]
         visible = (torch.arange(1, 41) // spec.ratio).unsqueeze(-1)
         assert ((topk < visible) | (topk == -1)).all()
         if spec.ratio == 1 and spec.mode is Mode.FULL:
@@ -83,7 +90,7 @@ def test_reindex_layers_pick_only_inside_the_candidate_pool(micro, rng):
     assert (pool.sum(-1) <= 16).all() and (pool.sum(-1)[-1] == 16)
     for spec in micro.plan.backbone:
         if spec.candidate_consumer:
-            topk = trace[f"layer{spec.layer_id}.topk"][0]
+            topk = _entries(trace, spec.layer_id, 40)[0]
             rows, cols = torch.where(topk >= 0)
             assert pool[rows, topk[rows, cols].long()].all()
 
@@ -144,5 +151,5 @@ def test_bad_generation_inputs_are_rejected(micro):
     with pytest.raises(ValueError, match="at least one token"):
         list(generate(micro, [], 3))
     limit = micro.config.text_config.max_position_embeddings
-    with pytest.raises(ValueError, match=f"exceeds the context limit of {limit}"):
+    with pytest.raises(ValueError, match=f"exceed the limit of {limit} tokens"):
         forward(micro, torch.zeros(1, limit + 1, dtype=torch.long))

@@ -15,26 +15,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.config import LayerSpec, Mode, TextConfig
+from dsv41.model.cache import DecodeCache, GroupCache
 from dsv41.model.layers import Linear, RMSNorm, Storage
 from dsv41.model.quant import fp8_qdq, main_kv_qdq, mxfp4_qdq
 from dsv41.model.rope import rotate
+from dsv41.model.trace import Trace
 
 ATTENTION_CHUNK = 64  # indices per online-softmax step, as the reference kernel walks them
 
 
 @dataclass
 class SharedAttention:
-    """What source layers hand to their consumers within one forward, keyed by source layer id."""
+    """What source layers hand to their consumers within one forward, keyed by source layer id,
+    plus where this forward sits: positions start..start+s-1, and the decode cache if any."""
 
+    start: int = 0
+    cache: DecodeCache | None = None
     main_kv: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, head_dim]
     index_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, index_head_dim]
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, s, k] entry ids, -1 = unused
     candidates: torch.Tensor | None = None  # [b, s, n_entries] bool pool of the candidate source
-    trace: dict[str, torch.Tensor] | None = None  # per-layer intermediates, recorded when not None
-
-    def record(self, layer: int, name: str, value: torch.Tensor) -> None:
-        if self.trace is not None:
-            self.trace[f"layer{layer}.{name}"] = value
+    trace: Trace | None = None
 
 
 def window_indices(seq_len: int, window: int) -> torch.Tensor:
@@ -42,6 +43,13 @@ def window_indices(seq_len: int, window: int) -> torch.Tensor:
     end = torch.arange(seq_len).unsqueeze(1)
     idx = (end - window + 1).clamp(min=0) + torch.arange(min(seq_len, window))
     return torch.where(idx > end, -1, idx)
+
+
+def ring_indices(position: int, window: int) -> torch.Tensor:
+    """[1, window] ring slots a decode query at `position` sees, oldest first, -1 while unfilled."""
+    oldest = position % window + 1
+    idx = torch.cat([torch.arange(oldest, window), torch.arange(oldest)])
+    return torch.where(idx > position, -1, idx).unsqueeze(0)
 
 
 def visible_entries(seq_len: int, ratio: int) -> torch.Tensor:
@@ -100,7 +108,8 @@ def select_candidate_blocks(
 
 class Compressor(nn.Module):
     """Builds a Full layer's global KV latents (before RoPE): ratio 1 is a plain projection; ratio
-    m > 1 pools each complete, non-overlapping group of m tokens with a per-channel softmax gate."""
+    m > 1 pools each complete, non-overlapping group of m tokens with a per-channel softmax gate.
+    A partial group waits in the cache's fp32 state until its last token arrives."""
 
     def __init__(self, t: TextConfig, ratio: int, device=None):
         super().__init__()
@@ -110,16 +119,30 @@ class Compressor(nn.Module):
         self.wgate = Linear(t.hidden_size, t.head_dim, Storage.FP32, device) if ratio > 1 else None
         self.norm = RMSNorm(t.head_dim, t.rms_norm_eps, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, s, dim] -> [b, s // ratio, head_dim]; a trailing partial group emits nothing."""
+    def forward(self, x: torch.Tensor, start: int, state: GroupCache | None) -> torch.Tensor | None:
+        """x [b, s, dim] at positions start.. -> new latents [b, n_new, head_dim], or None."""
         if self.ratio == 1:
             return self.norm(self.wkv(x))
+        m = self.ratio
         xf = x.float()
         kv, gate = self.wkv(xf), self.wgate(xf)
-        complete = x.size(1) - x.size(1) % self.ratio
-        kv = kv[:, :complete].unflatten(1, (-1, self.ratio))
-        gate = gate[:, :complete].unflatten(1, (-1, self.ratio))
-        return self.norm((kv * gate.softmax(dim=2)).sum(dim=2).to(x.dtype))
+        if start == 0:
+            complete = x.size(1) - x.size(1) % m
+            if state is not None and complete < x.size(1):
+                state.kv_state[:, : x.size(1) - complete] = kv[:, complete:]
+                state.score_state[:, : x.size(1) - complete] = gate[:, complete:]
+            if complete == 0:
+                return None
+            kv = kv[:, :complete].unflatten(1, (-1, m))
+            gate = gate[:, :complete].unflatten(1, (-1, m))
+            pooled = (kv * gate.softmax(dim=2)).sum(dim=2)
+        else:
+            state.kv_state[:, start % m] = kv[:, 0]
+            state.score_state[:, start % m] = gate[:, 0]
+            if (start + 1) % m:
+                return None
+            pooled = (state.kv_state * state.score_state.softmax(dim=1)).sum(dim=1, keepdim=True)
+        return self.norm(pooled.to(x.dtype))
 
 
 class Indexer(nn.Module):
@@ -170,54 +193,103 @@ class Attention(nn.Module):
         self.indexer = Indexer(t, spec.mode is Mode.FULL, device) if owns_index else None
 
     def forward(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention) -> torch.Tensor:
-        """x [b, s, dim] (after attn_norm) at positions 0..s-1; table = this layer's RoPE rows."""
+        """x [b, s, dim] after attn_norm. `table` holds RoPE rows from position 0 through the last
+        position of x. A forward at start 0 takes any length (and seeds the cache when there is
+        one); a later forward takes one token and reads the cache."""
         b, s, _ = x.shape
+        rows = table[shared.start : shared.start + s]
         qr = self.q_norm(self.wq_a(x))
-        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), table)
-        kv = fp8_qdq(rotate(self.kv_norm(self.wkv(x)), table))
-        idx = window_indices(s, self.window).int().expand(b, -1, -1)
+        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
+        kv, idx = self._window(fp8_qdq(rotate(self.kv_norm(self.wkv(x)), rows)), shared)
         if self.spec.ratio:
             entries, entry_idx = self._global_branch(x, qr, table, shared)
-            kv = torch.cat([kv, entries], dim=1)
-            idx = torch.cat([idx, torch.where(entry_idx >= 0, entry_idx + s, -1)], dim=-1)
+            entry_idx = torch.where(entry_idx >= 0, entry_idx + kv.size(1), -1)
+            _record(shared, self.spec.layer_id, "compress_topk_idxs", entry_idx)
+            kv, idx = torch.cat([kv, entries], dim=1), torch.cat([idx, entry_idx], dim=-1)
         o = sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)
-        o = rotate(o, table, inverse=True).view(b, s, self.n_groups, -1)
+        o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
         o = torch.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
         return self.wo_b(o.flatten(2))
 
+    def _window(self, kv: torch.Tensor, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SWA keys this forward attends over and each query's slots in them."""
+        b, s, start = kv.size(0), kv.size(1), shared.start
+        cache = shared.cache
+        if start == 0:
+            if cache is not None:
+                kept = torch.arange(max(0, s - self.window), s)
+                cache.windows[self.spec.layer_id][:, kept % self.window] = kv[:, kept]
+            return kv, window_indices(s, self.window).int().expand(b, -1, -1)
+        ring = cache.windows[self.spec.layer_id]
+        ring[:, start % self.window] = kv[:, 0]
+        return ring, ring_indices(start, self.window).int().expand(b, -1, -1)
+
     def _global_branch(self, x, qr, table, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's view of its group's global KV and the entry ids each query attends to."""
-        spec, s = self.spec, x.size(1)
-        ratio, layer = spec.ratio, spec.layer_id
-        n_entries = s // ratio
+        spec = self.spec
         if spec.mode is Mode.FULL:
-            latent = self.compressor(x)
-            entry_table = table[: n_entries * ratio : ratio]  # an entry sits at its group's first token
-            shared.index_k[layer] = self.indexer.keys(latent, entry_table)
-            shared.main_kv[layer] = main_kv_qdq(rotate(latent, entry_table))
-            shared.record(layer, "main_kv", shared.main_kv[layer])
-            shared.record(layer, "index_k", shared.index_k[layer])
+            self._emit_entries(x, table, shared)
         if self.indexer is not None:
-            shared.topk[layer] = self._select(x, qr, table, shared)
-        entry_idx = shared.topk[spec.topk_producer]
-        shared.record(layer, "topk", entry_idx)
-        return shared.main_kv[spec.kv_owner][:, :n_entries], entry_idx
+            shared.topk[spec.layer_id] = self._select(x, qr, table, shared)
+        visible = (shared.start + x.size(1)) // spec.ratio
+        return shared.main_kv[spec.kv_owner][:, :visible], shared.topk[spec.topk_producer]
+
+    def _emit_entries(self, x, table, shared: SharedAttention) -> None:
+        """Compress this forward's tokens into new entries of the group (main KV + index keys)."""
+        layer, ratio, start, cache = self.spec.layer_id, self.spec.ratio, shared.start, shared.cache
+        group = None if cache is None else cache.groups[layer]
+        latent = self.compressor(x, start, group)
+        first = start // ratio
+        if latent is not None:
+            entry_rows = table[(first + torch.arange(latent.size(1))) * ratio]  # an entry sits at its group's start
+            keys, main = self.indexer.keys(latent, entry_rows), main_kv_qdq(rotate(latent, entry_rows))
+            if cache is not None:
+                group.index_k[:, first : first + keys.size(1)] = keys
+                group.main_kv[:, first : first + main.size(1)] = main
+                cache.index_k_slot = layer
+            else:
+                shared.index_k[layer], shared.main_kv[layer] = keys, main
+        if group is not None:
+            shared.main_kv[layer], shared.index_k[layer] = group.main_kv, group.index_k
+        elif latent is None:
+            empty = x.new_zeros(x.size(0), 0, self.head_dim)
+            shared.main_kv[layer], shared.index_k[layer] = empty, x.new_zeros(x.size(0), 0, self.indexer.head_dim)
+        _record(shared, layer, "main_kv", shared.main_kv[layer][:, : (start + x.size(1)) // ratio])
+        _record(shared, layer, "index_k", shared.index_k[layer][:, : (start + x.size(1)) // ratio])
+
+    def _keys_for(self, shared: SharedAttention) -> torch.Tensor:
+        """The index keys this layer scores: its group's, or in official-decode compatibility a
+        Full layer without a new entry reads whatever source refreshed the shared slot last."""
+        spec, cache = self.spec, shared.cache
+        owner = spec.kv_owner
+        if (cache is not None and cache.official_decode_slots and spec.mode is Mode.FULL and shared.start > 0
+                and (shared.start + 1) % spec.ratio):
+            owner = cache.index_k_slot
+        return shared.index_k[owner] if owner in shared.index_k else cache.groups[owner].index_k
 
     def _select(self, x, qr, table, shared: SharedAttention) -> torch.Tensor:
-        spec, s = self.spec, x.size(1)
-        n_entries = s // spec.ratio
-        if n_entries == 0:
+        spec, s, start = self.spec, x.size(1), shared.start
+        total = (start + s) // spec.ratio
+        if total == 0:
             return torch.empty(x.size(0), s, 0, dtype=torch.int32)
-        keys = shared.index_k[spec.kv_owner][:, :n_entries]
-        scores = self.indexer.scores(x, qr, keys, table)
-        visible = visible_entries(s, spec.ratio)
-        scores = scores.masked_fill(torch.arange(n_entries) >= visible, -torch.inf)
+        keys = self._keys_for(shared)[:, :total]
+        scores = self.indexer.scores(x, qr, keys, table[start : start + s])
+        if start == 0:
+            visible = visible_entries(s, spec.ratio)
+            scores = scores.masked_fill(torch.arange(total) >= visible, -torch.inf)
+        else:
+            visible = total
         if spec.candidate_source:
             shared.candidates = select_candidate_blocks(scores, visible, self.candidate_blocks, self.candidate_size)
-            shared.record(spec.layer_id, "candidates", shared.candidates)
+            _record(shared, spec.layer_id, "candidates", shared.candidates)
         elif spec.candidate_consumer:
             scores = scores.masked_fill(~shared.candidates, -torch.inf)
-        shared.record(spec.layer_id, "index_score", scores)
-        k = min(self.indexer.topk, n_entries)
+        _record(shared, spec.layer_id, "index_score", scores)
+        k = min(self.indexer.topk, total)
         picked = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
         return torch.where(picked < visible, picked, -1).int()
+
+
+def _record(shared: SharedAttention, layer: int, name: str, value: torch.Tensor) -> None:
+    if shared.trace is not None:
+        shared.trace.put(layer, name, value)

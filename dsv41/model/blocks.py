@@ -39,11 +39,19 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hc, dim]; pre_mix is the previous sub-layer's pre. Returns (stream, ffn pre)."""
         attn_pre, attn_post, attn_comb = self.coefficients(x, "attn")
-        out = self.attn(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
-        x = mhc.expand(out, x, attn_post, attn_comb)
+        attn_out = self.attn(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
+        x = mhc.expand(attn_out, x, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.coefficients(x, "ffn")
-        out = self.ffn(self.ffn_norm(mhc.collapse(x, attn_pre)), image_mask)
-        return mhc.expand(out, x, ffn_post, ffn_comb), ffn_pre
+        routing = {} if shared.trace is not None else None
+        ffn_out = self.ffn(self.ffn_norm(mhc.collapse(x, attn_pre)), image_mask, routing)
+        x = mhc.expand(ffn_out, x, ffn_post, ffn_comb)
+        if shared.trace is not None:
+            recorded = dict(attn_out=attn_out, ffn_out=ffn_out, out_h=x, out_pre_mix=ffn_pre, **routing,
+                            hc_attn_pre=attn_pre, hc_attn_post=attn_post, hc_attn_comb=attn_comb,
+                            hc_ffn_pre=ffn_pre, hc_ffn_post=ffn_post, hc_ffn_comb=ffn_comb)
+            for name, value in recorded.items():
+                shared.trace.put(self.spec.layer_id, name, value)
+        return x, ffn_pre
 
 
 def _fp32(device, *shape: int) -> nn.Parameter:

@@ -75,11 +75,15 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(dim, inter, Storage.FP4, limit, device) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter, Storage.FP8, limit, device)
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Routed outputs are summed in fp32 in increasing expert id, then the shared expert."""
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
+                routing: dict | None = None) -> torch.Tensor:
+        """Routed outputs are summed in fp32 in increasing expert id, then the shared expert.
+        `routing`, when given, receives the router's choice ('gate_indices', 'gate_weights')."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        if routing is not None:
+            routing.update(gate_indices=ids, gate_weights=weights)
         y = torch.zeros_like(x, dtype=torch.float32)
         for e in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == e)

@@ -15,6 +15,7 @@ from dsv41.config import ModelConfig, load_config
 from dsv41.model.engram import token_map_from_tokenizer
 from dsv41.model.random_init import init_random
 from dsv41.model.tokenizer import byte_tokenizer
+from dsv41.model.trace import Trace
 from dsv41.model.transformer import ForwardOutput, Transformer, build_model
 
 
@@ -47,11 +48,8 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator |
 
 
 @torch.inference_mode()
-def forward(model: Transformer, ids: torch.Tensor, trace: dict | None = None) -> ForwardOutput:
-    """All positions of ids [b, s] (s within the context limit)."""
-    limit = model.config.text_config.max_position_embeddings
-    if ids.size(1) > limit:
-        raise ValueError(f"sequence of {ids.size(1)} tokens exceeds the context limit of {limit}")
+def forward(model: Transformer, ids: torch.Tensor, trace: Trace | None = None) -> ForwardOutput:
+    """All positions of ids [b, s] (s within the context limit), no cache."""
     return model(ids, trace=trace)
 
 

@@ -16,9 +16,11 @@ from dsv41.config import ModelConfig, Part
 from dsv41.model import mhc
 from dsv41.model.attention import SharedAttention
 from dsv41.model.blocks import Block
+from dsv41.model.cache import DecodeCache
 from dsv41.model.engram import Engram, EngramHasher
 from dsv41.model.layers import Embedding, Linear, RMSNorm, Storage
 from dsv41.model.rope import table_for
+from dsv41.model.trace import Trace
 
 
 @dataclass
@@ -47,40 +49,69 @@ class Transformer(nn.Module):
         return self.embed(ids)
 
     def forward(
-        self, ids: torch.Tensor, image_mask: torch.Tensor | None = None, trace: dict | None = None
+        self, ids: torch.Tensor, image_mask: torch.Tensor | None = None, trace: Trace | None = None,
+        cache: DecodeCache | None = None,
     ) -> ForwardOutput:
-        """Every position of ids [b, s] through every layer, positions 0..s-1 (no caches).
+        """Run ids [b, s] through every layer.
 
-        image_mask [b, s] marks image-span tokens (VL routing bias, dead for Engram). `trace`, when
-        given, receives per-layer intermediates keyed 'layer{i}.{name}'.
+        Without a cache: positions 0..s-1, nothing kept (the oracle). With a cache: an empty one is
+        filled by this forward (any s); a filled one takes one new token per call (s = 1) at the next
+        position. image_mask [b, s] marks image-span tokens (VL routing bias, dead for Engram);
+        `trace` receives per-layer intermediates.
         """
         t = self.config.text_config
-        s = ids.size(1)
+        start, s = (0 if cache is None else cache.length), ids.size(1)
+        self._check_span(start, s, cache)
         live = None if image_mask is None else ~image_mask
-        rows = self._engram_rows(ids, live)
+        rows = self._engram_rows(ids, live, start, cache)
         x = self.embed_inputs(ids).unsqueeze(2).repeat(1, 1, t.hc_mult, 1)
         pre_mix = mhc.first_pre_mix(x, t.hc_mult)
-        shared = SharedAttention(trace=trace)
+        shared = SharedAttention(start=start, cache=cache, trace=trace)
+        n_positions = start + s if cache is None else cache.capacity
         targets = []
         for layer in self.layers:
             spec = layer.spec
             if layer.engram is not None:
                 x = layer.engram(x, rows[:, :, layer.engram.table_index], live)
+                if trace is not None:
+                    trace.put(spec.layer_id, "engram_out", x)
             if spec.dspark_target:
                 targets.append(x.mean(dim=2))
-            x, pre_mix = layer(x, pre_mix, table_for(t, spec.rope, s), shared, image_mask)
-            if trace is not None:
-                trace[f"layer{spec.layer_id}.out_h"] = x
+            x, pre_mix = layer(x, pre_mix, table_for(t, spec.rope, n_positions), shared, image_mask)
         hidden = self.norm(mhc.collapse(x, pre_mix))
         logits = torch.nn.functional.linear(hidden.float(), self.head.weight)
+        if cache is not None:
+            cache.length += s
+        if trace is not None:
+            if rows is not None:
+                trace.put(None, "engram_hash_ids", rows)
+            trace.put(None, "final_normed_hidden", hidden)
         return ForwardOutput(logits, hidden, torch.cat(targets, dim=-1) if targets else None)
 
-    def _engram_rows(self, ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor | None:
+    def _check_span(self, start: int, s: int, cache: DecodeCache | None) -> None:
+        if s == 0:
+            raise ValueError("no tokens to run")
+        if cache is not None and start > 0 and s != 1:
+            raise ValueError(f"a filled cache takes one token per forward, got {s}")
+        limit = self.config.text_config.max_position_embeddings if cache is None else cache.capacity
+        if start + s > limit:
+            raise ValueError(f"positions up to {start + s} exceed the limit of {limit} tokens")
+
+    def _engram_rows(self, ids: torch.Tensor, live: torch.Tensor | None, start: int,
+                     cache: DecodeCache | None) -> torch.Tensor | None:
         if not self.config.text_config.engram_layer_ids:
             return None
         if self.hasher is None:
             raise RuntimeError("this model has Engram layers but was built without a compressed token map")
-        return self.hasher(ids, live)
+        if cache is None:
+            return self.hasher(ids, live)
+        end = start + ids.size(1)
+        cache.ids[:, start:end] = ids
+        if live is not None:
+            cache.live[:, start:end] = live
+        first = max(0, start - (self.config.text_config.engram_max_ngram_size - 1))  # enough look-back
+        rows = self.hasher(cache.ids[:, first:end], cache.live[:, first:end])
+        return rows[:, start - first :]
 
     def parameter_counts(self) -> dict[str, int]:
         """Logical parameters by part (packed FP4 counts two values per byte; scales excluded)."""
