@@ -160,6 +160,9 @@ def weight_files(path: str | Path) -> list[Path]:
     return files
 
 
+# bf16 tensors the reference holds in fp32 (SPEC.md §4.2 and the golden notes); promotion is exact.
+PROMOTED_TO_FP32 = ("head.weight", ".compressor.wkv.weight", ".compressor.wgate.weight")
+
 # Tensors the model does not use yet, loaded by later parts (DSpark stages live under mtp.*).
 NOT_YET_USED = ("mtp.",)
 
@@ -174,8 +177,8 @@ def _convert(name: str, stored: torch.Tensor, param: torch.Tensor, read) -> torc
     if stored.dtype == torch.float8_e4m3fn and param.dtype == torch.bfloat16:
         scale_name = name[: -len("weight")] + "scale"
         stored = _dequantize_fp8_tiles(stored, read(scale_name))  # wo_a: exact, the scales are powers of 2
-    elif stored.dtype == torch.bfloat16 and param.dtype == torch.float32:
-        stored = stored.float()  # head, ratio-2 compressor: exact promotion
+    elif stored.dtype == torch.bfloat16 and param.dtype == torch.float32 and name.endswith(PROMOTED_TO_FP32):
+        stored = stored.float()
     if stored.dtype != param.dtype:
         return f"{name}: dtype {stored.dtype} does not fit the model's {param.dtype}"
     if stored.shape != param.shape:

@@ -77,3 +77,34 @@ def generate(prompt: str, config_name: str, max_new_tokens: int, temperature: fl
     click.echo(prompt + decode(tok, out))
     click.echo(f"{len(out)} tokens in {elapsed:.2f} s: {len(out) / elapsed:.2f} tokens/s "
                f"(reference path: every step re-runs all {len(ids) + len(out)} positions)", err=True)
+
+
+@cli.command()
+@click.argument("folder", default="../shared/reference/golden", type=click.Path(exists=True, file_okay=False))
+@click.option("--decode-mode", type=click.Choice(["official", "design"]), default="official", show_default=True,
+              help="official: reproduce the official decode path's shared index-key slot (bit-exact parity); "
+                   "design: each group's own keys at every step (dsv41's default behaviour).")
+@click.option("--details", is_flag=True, help="List every compared tensor, not only the group summary.")
+def parity(folder: str, decode_mode: str, details: bool) -> None:
+    """Compare dsv41 against recorded official outputs in FOLDER.
+
+    FOLDER holds an official-format checkpoint (config.json, weights.safetensors, tokenizer) and the
+    official implementation's recorded outputs (io.safetensors, units.safetensors). Exits non-zero
+    when any tensor fails.
+    """
+    from dsv41.parity import not_compared, report, run_parity
+
+    click.echo(f"running parity against {folder} (decode mode: {decode_mode})...", err=True)
+    rows = run_parity(folder, decode_mode)
+    click.echo(report(rows))
+    if details:
+        for row in rows:
+            status = "exact" if row.exact else "ok" if row.passed else "FAIL"
+            click.echo(f"{status:<5} {row.group:<20} {row.name:<40} abs {row.max_abs:.3g} ulp {row.max_ulp} {row.note}")
+    for why in not_compared(folder):
+        click.echo(f"not compared: {why}")
+    failed = [r for r in rows if not r.passed]
+    if failed:
+        raise click.ClickException(f"{len(failed)} of {len(rows)} tensors differ; first: {failed[0].group} "
+                                   f"{failed[0].name} {failed[0].note}")
+    click.echo(f"parity: all {len(rows)} compared tensors pass ({sum(r.exact for r in rows)} bit-exact)")
