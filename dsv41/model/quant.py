@@ -14,58 +14,29 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-_FP8_MAX_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
-_FP4_MAX_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+from dsv41.kernels import codecs
+from dsv41.kernels.codecs import (
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_encode,
+    pack_nibbles,
+    pow2_scale_up,
+    unpack_nibbles,
+)
 
-# E2M1 magnitudes by 3-bit code; a 4-bit code adds the sign as bit 3.
-E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-E2M1_TABLE = torch.cat([E2M1_GRID, -E2M1_GRID])
-# Midpoints between neighbouring magnitudes; a value exactly on one rounds to the even code,
-# which is the upper neighbour for the 2nd, 4th and 6th midpoint (0.75, 1.75, 3.5).
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_E2M1_TIE_GOES_UP = torch.tensor([False, True, False, True, False, True, False])
-
-
-def pow2_scale_ceil(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
-    """2**ceil(log2(amax * max_inv)) in fp32, read off the exponent and mantissa bits."""
-    ratio = (amax.float() * max_inv).contiguous()
-    bits = ratio.view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    has_fraction = (bits & 0x7FFFFF) != 0
-    return ((exponent + has_fraction.to(torch.int32)) << 23).view(torch.float32)
+FP8_MAX, FP4_MAX = E4M3_MAX, E2M1_MAX
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> E4M3 with round-to-nearest-even, saturating at ±448 instead of producing NaN."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
-def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """fp32 values in [-6, 6] -> 4-bit E2M1 codes (uint8), round-to-nearest-even."""
-    magnitude = x.abs().contiguous()
-    code = torch.bucketize(magnitude, _E2M1_MIDPOINTS, right=False)
-    on_midpoint = (code < len(_E2M1_MIDPOINTS)) & (
-        magnitude == _E2M1_MIDPOINTS[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)]
-    )
-    code = code + (on_midpoint & _E2M1_TIE_GOES_UP[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)])
-    return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
-
-
-def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    return E2M1_TABLE[codes.long()]
-
-
-def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """[..., K] 4-bit codes -> [..., K/2] bytes, the even element in the low nibble."""
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    """fp32 -> E4M3 (saturating, round-to-nearest-even) as a float8 tensor."""
+    return e4m3_encode(x).view(torch.float8_e4m3fn)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """[..., K/2] bytes (uint8 or int8 storage) -> [..., K] fp32 values."""
-    b = packed.view(torch.uint8)
-    return torch.stack([e2m1_values(b & 0x0F), e2m1_values(b >> 4)], dim=-1).flatten(-2)
+    return e2m1_decode(unpack_nibbles(packed))
 
 
 def _groups(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -78,7 +49,7 @@ def fp8_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Ten
     """FP8 activation quantization: (E4M3 values [..., K], fp32 pow-2 scales [..., K/block])."""
     groups = _groups(x, block)
     amax = groups.abs().amax(dim=-1).clamp_min(1e-4)
-    scale = pow2_scale_ceil(amax, _FP8_MAX_INV)
+    scale = pow2_scale_up(amax, FP8_MAX)
     return to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2), scale
 
 
@@ -91,9 +62,9 @@ def _fp4_scaled(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Te
     groups = _groups(x, block)
     amax = groups.abs().amax(dim=-1)
     if e4m3_scale:
-        scale = to_e4m3(amax.clamp_min(6 * 2**-9) / FP4_MAX).float()
+        scale = codecs.e4m3_scale(amax.clamp_min(6 * 2**-9), FP4_MAX)
     else:
-        scale = pow2_scale_ceil(amax.clamp_min(6 * 2**-126), _FP4_MAX_INV)
+        scale = pow2_scale_up(amax.clamp_min(6 * 2**-126), FP4_MAX)
     return (groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX), scale
 
 
@@ -103,12 +74,12 @@ def fp4_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tens
     `e4m3_scale` selects the main-KV format (block 16, E4M3 scale); otherwise MXFP4 (block 32, E8M0).
     """
     scaled, scale = _fp4_scaled(x, block, e4m3_scale)
-    return pack_e2m1(e2m1_codes(scaled).flatten(-2)), scale
+    return pack_nibbles(e2m1_encode(scaled).flatten(-2)), scale
 
 
 def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
     scaled, scale = _fp4_scaled(x, block, e4m3_scale)
-    return (e2m1_values(e2m1_codes(scaled)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    return (e2m1_decode(e2m1_encode(scaled)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
 
 
 def main_kv_qdq(x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +117,7 @@ def quantize_weight_fp8(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     padded = torch.nn.functional.pad(w.float(), (0, -n_in % block, 0, -n_out % block))
     tiles = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [ro, block, ci, block]
     amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4)
-    scale = pow2_scale_ceil(amax, _FP8_MAX_INV)
+    scale = pow2_scale_up(amax, FP8_MAX)
     q = to_e4m3(tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n_out, :n_in]
     return q.contiguous(), scale.to(torch.float8_e8m0fnu)
 

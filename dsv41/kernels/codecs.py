@@ -1,0 +1,116 @@
+"""Bit-exact codecs of the number formats in V4.1's caches and weights, vectorized in torch.
+
+- E2M1 (FP4): 4-bit codes, bit 3 = sign, magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}; round to nearest,
+  ties to the even code; saturates at ±6; NaN encodes as 0x8 (-0), as the ONNX reference does.
+- E4M3 (FP8, "fn": no infinities): saturating encode (±inf and overflow -> ±448); without
+  saturation overflow becomes NaN (0x7F, sign kept). NaN -> 0x7F (sign kept).
+- E8M0: an exponent byte, value 2^(code - 127), 0xFF = NaN.
+
+Two E2M1 codes share a byte, the even element in the low nibble.
+
+Scale rules: the reference rounds power-of-two scales *up*, 2^ceil(log2(amax / max)), computed as
+amax times the fp32 reciprocal of the format maximum; OCP MX instead takes 2^(floor(log2(amax)) -
+emax of the element type), which can clip the largest element. Both are here; the caches use the
+reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_TABLE = torch.cat([E2M1_GRID, -E2M1_GRID])
+# A value exactly between two magnitudes goes to the even code: up at 0.75, 1.75 and 3.5.
+_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_TIE_GOES_UP = torch.tensor([False, True, False, True, False, True, False])
+E2M1_NAN_CODE = 0x8
+_E4M3_OVERFLOW = 464.0
+E8M0_NAN_CODE = 0xFF
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> 4-bit codes (uint8), round-to-nearest-even, saturating at ±6."""
+    x = x.float()
+    magnitude = x.abs().nan_to_num(nan=0.0).contiguous()
+    last = len(_MIDPOINTS) - 1
+    code = torch.bucketize(magnitude, _MIDPOINTS, right=False)
+    on_midpoint = (code <= last) & (magnitude == _MIDPOINTS[code.clamp(max=last)])
+    code = code + (on_midpoint & _TIE_GOES_UP[code.clamp(max=last)])
+    code = code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+    return torch.where(x.isnan(), E2M1_NAN_CODE, code).to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    return E2M1_TABLE.to(codes.device)[codes.long() & 0xF]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] 4-bit codes -> [..., K/2] bytes, the even element in the low nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] bytes (any 8-bit storage) -> [..., K] 4-bit codes."""
+    b = packed.view(torch.uint8)
+    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
+
+
+def e4m3_encode(x: torch.Tensor, saturate: bool = True) -> torch.Tensor:
+    """fp32 -> E4M3 codes (uint8), round-to-nearest-even. Saturating maps overflow and ±inf to
+    ±448; otherwise they become NaN. NaN -> 0x7F (sign kept)."""
+    x = x.float()
+    sign = torch.signbit(x).to(torch.uint8) << 7
+    codes = torch.where(x.isnan(), x, x.clamp(-E4M3_MAX, E4M3_MAX)).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = torch.where(x.isnan(), 0x7F | sign, codes)
+    if not saturate:  # beyond 464 (halfway to the next, unrepresentable step) the value is NaN
+        codes = torch.where(x.abs() > _E4M3_OVERFLOW, 0x7F | sign, codes)
+    return codes.to(torch.uint8)
+
+
+def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
+    return codes.contiguous().view(torch.float8_e4m3fn).float()
+
+
+def e8m0_encode(x: torch.Tensor, rounding: str = "up") -> torch.Tensor:
+    """Positive fp32 -> exponent byte. rounding 'up' (ceil to a power of two, the reference and the
+    ONNX 'up' mode), 'down' (floor, OCP MX) or 'nearest' (ties up). Saturates at codes 0 and 254;
+    NaN, ±inf and negative values encode as NaN (0xFF)."""
+    x = x.float().contiguous()
+    bits = x.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF).long()
+    mantissa = (bits & 0x7FFFFF).long()
+    if rounding == "up":
+        exponent = exponent + (mantissa != 0).long()
+    elif rounding == "nearest":
+        exponent = exponent + (mantissa >= 0x400000).long()
+    elif rounding != "down":
+        raise ValueError(f"unknown rounding {rounding!r}; use 'up', 'down' or 'nearest'")
+    code = exponent.clamp(0, 254)
+    bad = x.isnan() | x.isinf() | (x < 0)
+    return torch.where(bad, E8M0_NAN_CODE, code).to(torch.uint8)
+
+
+def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Exponent byte -> fp32 2^(code - 127); code 0 is 2^-127 (a float32 subnormal), 0xFF NaN."""
+    value = torch.exp2(codes.long().double() - 127).float()
+    return torch.where(codes == E8M0_NAN_CODE, torch.nan, value)
+
+
+def pow2_scale_up(amax: torch.Tensor, max_value: float) -> torch.Tensor:
+    """The reference's scale: 2^ceil(log2(amax * fp32(1 / max_value))), from the float's bits."""
+    ratio = (amax.float() * torch.tensor(1.0 / max_value, dtype=torch.float32)).contiguous()
+    bits = ratio.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    has_fraction = (bits & 0x7FFFFF) != 0
+    return ((exponent + has_fraction.to(torch.int32)) << 23).view(torch.float32)
+
+
+def ocp_mx_scale(amax: torch.Tensor, element_emax: int) -> torch.Tensor:
+    """OCP MX v1.0 scale: 2^(floor(log2(amax)) - emax_elem) (emax 2 for E2M1, 8 for E4M3)."""
+    return torch.exp2(torch.floor(torch.log2(amax.float())) - element_emax)
+
+
+def e4m3_scale(amax: torch.Tensor, max_value: float = E2M1_MAX) -> torch.Tensor:
+    """Main-KV scale: E4M3(amax / 6), round-to-nearest-even, saturating, as fp32."""
+    return e4m3_decode(e4m3_encode(amax.float() / max_value))
