@@ -316,11 +316,11 @@ def _cache_rows(golden: Golden, cache: DecodeCache, prefix: str) -> list[Row]:
 
 def _cached_tensor(cache: DecodeCache, layer: int, name: str, n_entries: int) -> torch.Tensor:
     if name == "window_kv_cache":
-        return cache.windows[layer][0]
+        return cache.windows[layer].read()[0]
     group = cache.groups[layer]
     return {
-        "compress_kv_cache": group.main_kv[0, :n_entries],
-        "index_k_cache": group.index_k[0, :n_entries],
+        "compress_kv_cache": group.main_kv.read(slice(0, n_entries))[0],
+        "index_k_cache": group.index_k.read(slice(0, n_entries))[0],
         "compressor_kv_state": group.kv_state[0] if group.kv_state is not None else None,
         "compressor_score_state": group.score_state[0] if group.score_state is not None else None,
     }[name]

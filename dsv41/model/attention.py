@@ -202,10 +202,12 @@ class Attention(nn.Module):
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
         kv, idx = self._window(fp8_qdq(rotate(self.kv_norm(self.wkv(x)), rows)), shared)
         if self.spec.ratio:
-            entries, entry_idx = self._global_branch(x, qr, table, shared)
-            entry_idx = torch.where(entry_idx >= 0, entry_idx + kv.size(1), -1)
-            _record(shared, self.spec.layer_id, "compress_topk_idxs", entry_idx)
-            kv, idx = torch.cat([kv, entries], dim=1), torch.cat([idx, entry_idx], dim=-1)
+            entry_idx = self._global_branch(x, qr, table, shared)
+            _record(shared, self.spec.layer_id, "compress_topk_idxs",
+                    torch.where(entry_idx >= 0, entry_idx + kv.size(1), -1))
+            entries, local_idx = self._entries(entry_idx, shared)
+            idx = torch.cat([idx, torch.where(local_idx >= 0, local_idx + kv.size(1), -1)], dim=-1)
+            kv = torch.cat([kv, entries], dim=1)
         o = sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
         o = torch.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
@@ -218,21 +220,30 @@ class Attention(nn.Module):
         if start == 0:
             if cache is not None:
                 kept = torch.arange(max(0, s - self.window), s)
-                cache.windows[self.spec.layer_id][:, kept % self.window] = kv[:, kept]
+                cache.windows[self.spec.layer_id].write(kept % self.window, kv[:, kept])
             return kv, window_indices(s, self.window).int().expand(b, -1, -1)
         ring = cache.windows[self.spec.layer_id]
-        ring[:, start % self.window] = kv[:, 0]
-        return ring, ring_indices(start, self.window).int().expand(b, -1, -1)
+        ring.write(slice(start % self.window, start % self.window + 1), kv)
+        return ring.read(), ring_indices(start, self.window).int().expand(b, -1, -1)
 
-    def _global_branch(self, x, qr, table, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's view of its group's global KV and the entry ids each query attends to."""
+    def _global_branch(self, x, qr, table, shared: SharedAttention) -> torch.Tensor:
+        """The entry ids [b, s, k] of the group's global KV each query attends to (-1 unused)."""
         spec = self.spec
         if spec.mode is Mode.FULL:
             self._emit_entries(x, table, shared)
         if self.indexer is not None:
             shared.topk[spec.layer_id] = self._select(x, qr, table, shared)
-        visible = (shared.start + x.size(1)) // spec.ratio
-        return shared.main_kv[spec.kv_owner][:, :visible], shared.topk[spec.topk_producer]
+        return shared.topk[spec.topk_producer]
+
+    def _entries(self, entry_idx: torch.Tensor, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """Main-KV values to attend over and each query's positions in them. A forward from position
+        0 has the group's entries in hand; a decode step gathers only its Top-k from the cache."""
+        source = shared.main_kv[self.spec.kv_owner]
+        if shared.start == 0:
+            return source[:, : (shared.start + entry_idx.size(1)) // self.spec.ratio], entry_idx
+        k = entry_idx.size(-1)
+        local = torch.where(entry_idx >= 0, torch.arange(k, dtype=entry_idx.dtype), -1)
+        return source.gather(entry_idx[:, 0]), local
 
     def _emit_entries(self, x, table, shared: SharedAttention) -> None:
         """Compress this forward's tokens into new entries of the group (main KV + index keys)."""
@@ -240,39 +251,42 @@ class Attention(nn.Module):
         group = None if cache is None else cache.groups[layer]
         latent = self.compressor(x, start, group)
         first = start // ratio
-        if latent is not None:
+        if latent is None:
+            keys = x.new_zeros(x.size(0), 0, self.indexer.head_dim)
+            main = x.new_zeros(x.size(0), 0, self.head_dim)
+        else:
             entry_rows = table[(first + torch.arange(latent.size(1))) * ratio]  # an entry sits at its group's start
             keys, main = self.indexer.keys(latent, entry_rows), main_kv_qdq(rotate(latent, entry_rows))
-            if cache is not None:
-                group.index_k[:, first : first + keys.size(1)] = keys
-                group.main_kv[:, first : first + main.size(1)] = main
+            if group is not None:
+                group.index_k.write(slice(first, first + keys.size(1)), keys)
+                group.main_kv.write(slice(first, first + main.size(1)), main)
                 cache.index_k_slot = layer
-            else:
-                shared.index_k[layer], shared.main_kv[layer] = keys, main
-        if group is not None:
-            shared.main_kv[layer], shared.index_k[layer] = group.main_kv, group.index_k
-        elif latent is None:
-            empty = x.new_zeros(x.size(0), 0, self.head_dim)
-            shared.main_kv[layer], shared.index_k[layer] = empty, x.new_zeros(x.size(0), 0, self.indexer.head_dim)
-        _record(shared, layer, "main_kv", shared.main_kv[layer][:, : (start + x.size(1)) // ratio])
-        _record(shared, layer, "index_k", shared.index_k[layer][:, : (start + x.size(1)) // ratio])
+        if start == 0:
+            shared.index_k[layer], shared.main_kv[layer] = keys, main
+        else:
+            shared.index_k[layer], shared.main_kv[layer] = group.index_k, group.main_kv
+        _record(shared, layer, "main_kv", main)
+        _record(shared, layer, "index_k", keys)
 
-    def _keys_for(self, shared: SharedAttention) -> torch.Tensor:
-        """The index keys this layer scores: its group's, or in official-decode compatibility a
-        Full layer without a new entry reads whatever source refreshed the shared slot last."""
+    def _keys_for(self, shared: SharedAttention, total: int) -> torch.Tensor:
+        """The index keys [b, total, d] this layer scores: its group's, or in official-decode
+        compatibility a Full layer without a new entry reads whatever source refreshed the shared
+        slot last."""
         spec, cache = self.spec, shared.cache
         owner = spec.kv_owner
         if (cache is not None and cache.official_decode_slots and spec.mode is Mode.FULL and shared.start > 0
                 and (shared.start + 1) % spec.ratio):
             owner = cache.index_k_slot
-        return shared.index_k[owner] if owner in shared.index_k else cache.groups[owner].index_k
+        if shared.start == 0:
+            return shared.index_k[owner][:, :total]
+        return cache.groups[owner].index_k.read(slice(0, total))
 
     def _select(self, x, qr, table, shared: SharedAttention) -> torch.Tensor:
         spec, s, start = self.spec, x.size(1), shared.start
         total = (start + s) // spec.ratio
         if total == 0:
             return torch.empty(x.size(0), s, 0, dtype=torch.int32)
-        keys = self._keys_for(shared)[:, :total]
+        keys = self._keys_for(shared, total)
         scores = self.indexer.scores(x, qr, keys, table[start : start + s])
         if start == 0:
             visible = visible_entries(s, spec.ratio)

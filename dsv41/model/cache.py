@@ -1,10 +1,10 @@
-"""Per-sequence state for incremental decoding with the reference numerics.
+"""Per-sequence state for incremental decoding.
 
-Caches hold the fake-quantized values the reference attends to (bf16), laid out as the official
-implementation keeps them: a W-slot SWA ring per layer (slot = position mod W), and per global KV
-group its main KV and index keys by entry id plus the fp32 partial-group state of a ratio-m
-compressor. Packed byte layouts replace these tensors in the KV-format work; the decode math
-does not change.
+Laid out as the official implementation keeps it: a W-slot SWA ring per layer (slot = position
+mod W), and per global KV group its main KV and index keys by entry id plus the fp32
+partial-group state of a ratio-m compressor. Entries are stored either packed in their real bytes
+(`packed=True`: 288 B main KV, 68 B index key, 528 B SWA entry; `dsv41/kernels/layouts.py`) or as
+the bf16 values the reference's fake quantization produces. Both read back the same values.
 """
 
 from __future__ import annotations
@@ -14,12 +14,44 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.config import Mode, ModelConfig
+from dsv41.kernels.layouts import EntryFormat, index_k_format, main_kv_format, pack_rows, swa_format, unpack_rows
+
+
+@dataclass
+class EntryStore:
+    """Rows of one kind of entry, [batch, n, ...]: packed bytes when `fmt` is set, else bf16 values."""
+
+    data: torch.Tensor
+    fmt: EntryFormat | None
+
+    @classmethod
+    def allocate(cls, batch: int, n: int, fmt: EntryFormat, packed: bool) -> EntryStore:
+        if packed:
+            return cls(torch.zeros(batch, n, fmt.entry_bytes, dtype=torch.uint8), fmt)
+        return cls(torch.zeros(batch, n, fmt.dim, dtype=torch.bfloat16), None)
+
+    def write(self, rows: torch.Tensor | slice, values: torch.Tensor) -> None:
+        """values are already fake-quantized; packing them again is exact."""
+        self.data[:, rows] = values if self.fmt is None else pack_rows(values, self.fmt)
+
+    def read(self, rows: slice | None = None) -> torch.Tensor:
+        data = self.data if rows is None else self.data[:, rows]
+        return data if self.fmt is None else unpack_rows(data, self.fmt)
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows by entry id idx [b, k] (-1 reads row 0; callers mask it) -> values [b, k, dim]."""
+        rows = self.data[torch.arange(idx.size(0)).unsqueeze(-1), idx.long().clamp(min=0)]
+        return rows if self.fmt is None else unpack_rows(rows, self.fmt)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
 
 
 @dataclass
 class GroupCache:
-    main_kv: torch.Tensor  # [b, capacity // m, head_dim]
-    index_k: torch.Tensor  # [b, capacity // m, index_head_dim]
+    main_kv: EntryStore  # [b, capacity // m]
+    index_k: EntryStore
     kv_state: torch.Tensor | None  # [b, m, head_dim] fp32, ratio > 1 only
     score_state: torch.Tensor | None  # [b, m, head_dim] fp32, -inf until written
 
@@ -27,7 +59,7 @@ class GroupCache:
 @dataclass
 class DecodeCache:
     capacity: int
-    windows: dict[int, torch.Tensor]  # layer -> [b, W, head_dim]
+    windows: dict[int, EntryStore]  # layer -> ring of W entries
     groups: dict[int, GroupCache]  # Full layer -> its group
     ids: torch.Tensor  # [b, capacity] token history (Engram looks back)
     live: torch.Tensor  # [b, capacity] False for image-span tokens
@@ -39,24 +71,23 @@ class DecodeCache:
     index_k_slot: int | None = field(default=None)
 
     @classmethod
-    def allocate(cls, config: ModelConfig, batch: int, capacity: int,
-                 official_decode_slots: bool = False) -> DecodeCache:
+    def allocate(cls, config: ModelConfig, batch: int, capacity: int, official_decode_slots: bool = False,
+                 packed: bool = False) -> DecodeCache:
         t = config.text_config
         if capacity > t.max_position_embeddings:
             raise ValueError(f"cache capacity {capacity} exceeds the context limit {t.max_position_embeddings}")
-        windows = {s.layer_id: torch.zeros(batch, t.sliding_window, t.head_dim, dtype=torch.bfloat16)
-                   for s in config.plan.backbone}
+        swa, main, index = swa_format(t.head_dim), main_kv_format(t.head_dim), index_k_format(t.index_head_dim)
+        windows = {s.layer_id: EntryStore.allocate(batch, t.sliding_window, swa, packed) for s in config.plan.backbone}
         groups = {}
         for s in config.plan.backbone:
             if s.mode is not Mode.FULL:
                 continue
-            n = capacity // s.ratio
-            state = (s.ratio, t.head_dim)
+            n, state = capacity // s.ratio, (batch, s.ratio, t.head_dim)
             groups[s.layer_id] = GroupCache(
-                main_kv=torch.zeros(batch, n, t.head_dim, dtype=torch.bfloat16),
-                index_k=torch.zeros(batch, n, t.index_head_dim, dtype=torch.bfloat16),
-                kv_state=torch.zeros(batch, *state) if s.ratio > 1 else None,
-                score_state=torch.full((batch, *state), -torch.inf) if s.ratio > 1 else None,
+                main_kv=EntryStore.allocate(batch, n, main, packed),
+                index_k=EntryStore.allocate(batch, n, index, packed),
+                kv_state=torch.zeros(state) if s.ratio > 1 else None,
+                score_state=torch.full(state, -torch.inf) if s.ratio > 1 else None,
             )
         return cls(capacity, windows, groups, torch.zeros(batch, capacity, dtype=torch.long),
                    torch.ones(batch, capacity, dtype=torch.bool), official_decode_slots=official_decode_slots)
