@@ -38,3 +38,18 @@ def test_cli_errors_are_readable(tmp_path):
     assert result.exit_code == 1 and "too large" in result.output
     result = CliRunner().invoke(cli, ["generate", "--config", "micro", "--top-p", "0", "x"])
     assert result.exit_code == 2 and "top-p" in result.output
+
+
+def test_kv_budget_matches_the_plan_and_prints_the_v4_comparison():
+    result = CliRunner().invoke(cli, ["kv-budget", "--config", "official", "--context", "1000000",
+                                      "--context", "1048576"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "global KV per token: 890 B (main KV 720 + indexer K 170)" in out
+    assert "ratio 0.2533" in out
+    assert re.search(r"layer 20\s+decoder\s+1\s+288\s+68\s+356", out)
+    assert len(re.findall(r"layer (2|8|14)\s+encoder\s+2\s+144\s+34\s+178", out)) == 3
+    assert re.search(r"1000000\s+720,000,000\s+170,000,000\s+890,000,000\s+0\.829", out)
+    assert re.search(r"1048576\s+754,974,720\s+178,257,920\s+933,232,640\s+0\.869", out)
+    mini = CliRunner().invoke(cli, ["kv-budget", "--config", "mini"]).stdout
+    assert "global KV per token: 890 B" in mini

@@ -36,6 +36,22 @@ def info(config_name: str) -> None:
     click.echo(info_report(_load(config_name)))
 
 
+@cli.command("kv-budget")
+@click.option("--config", "config_name", default="mini", show_default=True, help=CONFIG_HELP)
+@click.option("--context", "contexts", multiple=True, type=click.IntRange(1),
+              default=(4096, 32768, 131072, 1_000_000, 1_048_576), show_default=True,
+              help="Context length(s) in tokens to total; repeat the option for several.")
+def kv_budget(config_name: str, contexts: tuple[int, ...]) -> None:
+    """KV-cache bytes per token by group and part, and per-sequence totals by context length.
+
+    Global KV (main + indexer, in the packed formats) grows with the context; SWA is bounded by
+    the window. The V4-Flash figure from the technical report is printed beside it.
+    """
+    from dsv41.cli.report import kv_budget_report
+
+    click.echo(kv_budget_report(_load(config_name), list(contexts)))
+
+
 @cli.command()
 @click.argument("prompt")
 @click.option("--config", "config_name", default="mini", show_default=True, help=CONFIG_HELP)

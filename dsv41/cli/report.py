@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from dsv41.config import ModelConfig, global_kv_bytes_per_token, index_k_entry_bytes, main_kv_entry_bytes
+from dsv41.config import (
+    ModelConfig,
+    global_kv_bytes_per_token,
+    index_k_entry_bytes,
+    main_kv_entry_bytes,
+    swa_entry_bytes,
+)
 from dsv41.model.transformer import build_model
 
 
@@ -56,3 +62,38 @@ def info_report(config: ModelConfig) -> str:
                f"pool {t.candidate_topk_blocks} x {t.candidate_block_size}, experts {t.n_routed_experts} "
                f"(top-{t.num_experts_per_tok})")
     return "\n\n".join([summary, plan_table(config), params_table(config), kv_table(config)])
+
+
+V4_FLASH = 3514  # global KV bytes per token of V4-Flash, technical report Figure 1(b)
+GIB = 2**30
+
+
+def kv_budget_report(config: ModelConfig, contexts: list[int]) -> str:
+    """Bytes per token by group and by part, and per-sequence totals for the given contexts."""
+    t = config.text_config
+    main, swa = main_kv_entry_bytes(t.head_dim), swa_entry_bytes(t.head_dim)
+    index = index_k_entry_bytes(t.index_head_dim)
+    lines = [f"entry bytes: main KV {main}, indexer K {index}, SWA {swa}", "",
+             f"{'group (owner layer)':<20} {'part':<8} {'ratio':>5} {'main B/tok':>11} {'index B/tok':>12} "
+             f"{'total B/tok':>12}"]
+    for s in config.plan.kv_groups:
+        lines.append(f"{'layer ' + str(s.layer_id):<20} {s.part.value:<8} {s.ratio:>5} {main / s.ratio:>11g} "
+                     f"{index / s.ratio:>12g} {(main + index) / s.ratio:>12g}")
+    per_token = global_kv_bytes_per_token(config)
+    main_total = sum(main / s.ratio for s in config.plan.kv_groups)
+    lines += ["", f"global KV per token: {per_token:g} B (main KV {main_total:g} + indexer K "
+                  f"{per_token - main_total:g})",
+              f"V4-Flash global KV per token: {V4_FLASH} B -> ratio {per_token / V4_FLASH:.4f} "
+              f"(about 1/{V4_FLASH / per_token:.2f})",
+              f"SWA per sequence: {len(config.plan.backbone)} layers x min(context, {t.sliding_window}) x {swa} B "
+              "(bounded, independent of context beyond the window)", "",
+              f"{'context':>10} {'main KV':>14} {'indexer K':>14} {'global KV':>14} {'global GiB':>10} "
+              f"{'SWA':>10} {'total GiB':>10}"]
+    for n in contexts:
+        main_bytes = sum((n // s.ratio) * main for s in config.plan.kv_groups)
+        index_bytes = sum((n // s.ratio) * index for s in config.plan.kv_groups)
+        swa_bytes = len(config.plan.backbone) * min(n, t.sliding_window) * swa
+        glob = main_bytes + index_bytes
+        lines.append(f"{n:>10} {main_bytes:>14,} {index_bytes:>14,} {glob:>14,} {glob / GIB:>10.3f} "
+                     f"{swa_bytes:>10,} {(glob + swa_bytes) / GIB:>10.3f}")
+    return "\n".join(lines)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.kernels import codecs
-from dsv41.model.quant import fp4_quant, fp8_quant
+from dsv41.model.quant import fp4_qdq, fp4_quant, fp8_qdq, fp8_quant
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,8 @@ def unpack_rows(packed: torch.Tensor, fmt: EntryFormat, dtype: torch.dtype = tor
     values = codecs.e2m1_decode(codecs.unpack_nibbles(codes)) if fmt.fp4 else codecs.e4m3_decode(codes)
     scale = codecs.e4m3_decode(scale_codes) if fmt.e4m3_scale else codecs.e8m0_decode(scale_codes)
     return (values.unflatten(-1, (-1, fmt.block)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+def quantize_dequantize(x: torch.Tensor, fmt: EntryFormat) -> torch.Tensor:
+    """The values an entry of `fmt` holds for rows x: what `unpack_rows(pack_rows(x))` returns."""
+    return fp4_qdq(x, fmt.block, fmt.e4m3_scale) if fmt.fp4 else fp8_qdq(x, fmt.block)

@@ -158,8 +158,8 @@ class Indexer(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, t.rms_norm_eps, device) if owns_keys else None
 
     def keys(self, latent: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """Index keys from the pre-RoPE latent, rotated at each group's first position, MXFP4."""
-        return mxfp4_qdq(rotate(self.k_norm(self.wk(latent)), table))
+        """Index keys (before MXFP4) from the pre-RoPE latent, rotated at each group's first position."""
+        return rotate(self.k_norm(self.wk(latent)), table)
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """[b, s, n_entries] bf16 scores, every step in bf16 as the reference computes them."""
@@ -200,7 +200,7 @@ class Attention(nn.Module):
         rows = table[shared.start : shared.start + s]
         qr = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
-        kv, idx = self._window(fp8_qdq(rotate(self.kv_norm(self.wkv(x)), rows)), shared)
+        kv, idx = self._window(rotate(self.kv_norm(self.wkv(x)), rows), shared)
         if self.spec.ratio:
             entry_idx = self._global_branch(x, qr, table, shared)
             _record(shared, self.spec.layer_id, "compress_topk_idxs",
@@ -214,14 +214,15 @@ class Attention(nn.Module):
         return self.wo_b(o.flatten(2))
 
     def _window(self, kv: torch.Tensor, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
-        """The SWA keys this forward attends over and each query's slots in them."""
+        """The SWA keys this forward attends over (FP8) and each query's slots in them; kv are the
+        unquantized post-RoPE rows of this forward."""
         b, s, start = kv.size(0), kv.size(1), shared.start
         cache = shared.cache
         if start == 0:
             if cache is not None:
                 kept = torch.arange(max(0, s - self.window), s)
                 cache.windows[self.spec.layer_id].write(kept % self.window, kv[:, kept])
-            return kv, window_indices(s, self.window).int().expand(b, -1, -1)
+            return fp8_qdq(kv), window_indices(s, self.window).int().expand(b, -1, -1)
         ring = cache.windows[self.spec.layer_id]
         ring.write(slice(start % self.window, start % self.window + 1), kv)
         return ring.read(), ring_indices(start, self.window).int().expand(b, -1, -1)
@@ -256,10 +257,11 @@ class Attention(nn.Module):
             main = x.new_zeros(x.size(0), 0, self.head_dim)
         else:
             entry_rows = table[(first + torch.arange(latent.size(1))) * ratio]  # an entry sits at its group's start
-            keys, main = self.indexer.keys(latent, entry_rows), main_kv_qdq(rotate(latent, entry_rows))
+            raw_keys, raw_main = self.indexer.keys(latent, entry_rows), rotate(latent, entry_rows)
+            keys, main = mxfp4_qdq(raw_keys), main_kv_qdq(raw_main)
             if group is not None:
-                group.index_k.write(slice(first, first + keys.size(1)), keys)
-                group.main_kv.write(slice(first, first + main.size(1)), main)
+                group.index_k.write(slice(first, first + keys.size(1)), raw_keys)
+                group.main_kv.write(slice(first, first + main.size(1)), raw_main)
                 cache.index_k_slot = layer
         if start == 0:
             shared.index_k[layer], shared.main_kv[layer] = keys, main

@@ -14,34 +14,43 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.config import Mode, ModelConfig
-from dsv41.kernels.layouts import EntryFormat, index_k_format, main_kv_format, pack_rows, swa_format, unpack_rows
+from dsv41.kernels.layouts import (
+    EntryFormat,
+    index_k_format,
+    main_kv_format,
+    pack_rows,
+    quantize_dequantize,
+    swa_format,
+    unpack_rows,
+)
 
 
 @dataclass
 class EntryStore:
-    """Rows of one kind of entry, [batch, n, ...]: packed bytes when `fmt` is set, else bf16 values."""
+    """Rows of one kind of entry, [batch, n, ...]: packed bytes, or the bf16 values they decode to."""
 
     data: torch.Tensor
-    fmt: EntryFormat | None
+    fmt: EntryFormat
+    packed: bool
 
     @classmethod
     def allocate(cls, batch: int, n: int, fmt: EntryFormat, packed: bool) -> EntryStore:
-        if packed:
-            return cls(torch.zeros(batch, n, fmt.entry_bytes, dtype=torch.uint8), fmt)
-        return cls(torch.zeros(batch, n, fmt.dim, dtype=torch.bfloat16), None)
+        shape, dtype = (fmt.entry_bytes, torch.uint8) if packed else (fmt.dim, torch.bfloat16)
+        return cls(torch.zeros(batch, n, shape, dtype=dtype), fmt, packed)
 
     def write(self, rows: torch.Tensor | slice, values: torch.Tensor) -> None:
-        """values are already fake-quantized; packing them again is exact."""
-        self.data[:, rows] = values if self.fmt is None else pack_rows(values, self.fmt)
+        """Quantize unquantized rows into the store (both forms hold the same values)."""
+        quantize = pack_rows if self.packed else quantize_dequantize
+        self.data[:, rows] = quantize(values, self.fmt)
 
     def read(self, rows: slice | None = None) -> torch.Tensor:
         data = self.data if rows is None else self.data[:, rows]
-        return data if self.fmt is None else unpack_rows(data, self.fmt)
+        return unpack_rows(data, self.fmt) if self.packed else data
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows by entry id idx [b, k] (-1 reads row 0; callers mask it) -> values [b, k, dim]."""
         rows = self.data[torch.arange(idx.size(0)).unsqueeze(-1), idx.long().clamp(min=0)]
-        return rows if self.fmt is None else unpack_rows(rows, self.fmt)
+        return unpack_rows(rows, self.fmt) if self.packed else rows
 
     @property
     def nbytes(self) -> int:

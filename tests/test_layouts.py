@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from dsv41.config import index_k_entry_bytes, load_config, main_kv_entry_bytes, swa_entry_bytes
+from dsv41.kernels import codecs
+from dsv41.kernels.layouts import (
+    index_k_format,
+    main_kv_format,
+    pack_rows,
+    quantize_dequantize,
+    swa_format,
+    unpack_rows,
+)
+from dsv41.model.quant import fp8_qdq, main_kv_qdq, mxfp4_qdq
+
+
+def test_entry_sizes_are_288_68_528_by_construction():
+    assert main_kv_format(512).entry_bytes == main_kv_entry_bytes(512) == 288
+    assert index_k_format(128).entry_bytes == index_k_entry_bytes(128) == 68
+    assert swa_format(512).entry_bytes == swa_entry_bytes(512) == 528
+    assert main_kv_format(512).entry_bytes % 16 == 0 and swa_format(512).entry_bytes % 16 == 0
+
+
+@pytest.mark.parametrize(("fmt", "qdq"), [(main_kv_format(512), main_kv_qdq), (index_k_format(128), mxfp4_qdq),
+                                          (swa_format(512), fp8_qdq)])
+def test_packed_rows_unpack_to_the_reference_fake_quantization(rng, fmt, qdq):
+    x = (torch.randn(3, 7, fmt.dim, generator=rng) * torch.rand(3, 7, 1, generator=rng) * 20).bfloat16()
+    packed = pack_rows(x, fmt)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 7, fmt.entry_bytes)
+    assert torch.equal(unpack_rows(packed, fmt), qdq(x))
+    assert torch.equal(quantize_dequantize(x, fmt), qdq(x))
+
+
+def test_main_kv_entry_layout_codes_then_e4m3_scales():
+    x = torch.zeros(512, dtype=torch.bfloat16)
+    x[0], x[1], x[16] = 6.0, -3.0, 0.5
+    packed = pack_rows(x, main_kv_format(512))
+    assert packed[0].item() == (0xD << 4) | 0x7  # channel 0 (6.0, code 7) low, channel 1 (-3.0, code 0xD) high
+    assert codecs.e4m3_decode(packed[256:257]).item() == 1.0  # scale of channels 0..15: E4M3(6/6)
+    assert codecs.e4m3_decode(packed[257:258]).item() == 0.0859375  # E4M3(0.5/6 = 0.0833): 0.0859 is nearest
+
+
+def test_swa_entry_layout_e4m3_values_then_e8m0_scales():
+    x = torch.zeros(512, dtype=torch.bfloat16)
+    x[33] = 100.0
+    packed = pack_rows(x, swa_format(512))
+    assert codecs.e8m0_decode(packed[513:514]).item() == 0.25  # block 1: 2^ceil(log2(100/448))
+    assert codecs.e4m3_decode(packed[33:34]).item() == 384.0  # 100 / 0.25 = 400 -> 384 (ties to even)
+
+
+def test_wrong_shapes_are_rejected():
+    with pytest.raises(ValueError, match="main KV rows have 512 channels, got 64"):
+        pack_rows(torch.zeros(2, 64), main_kv_format(512))
+    with pytest.raises(ValueError, match="SWA entries are 528 bytes, got 500"):
+        unpack_rows(torch.zeros(2, 500, dtype=torch.uint8), swa_format(512))
+
+
+def test_packed_cache_holds_the_plan_bytes():
+    from dsv41.model.cache import DecodeCache
+
+    config = load_config("mini")
+    cache = DecodeCache.allocate(config, batch=1, capacity=1024, packed=True)
+    global_bytes = sum(g.main_kv.nbytes + g.index_k.nbytes for g in cache.groups.values())
+    assert global_bytes == 890 * 1024
+    assert sum(w.nbytes for w in cache.windows.values()) == 40 * 128 * 528
