@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from dsv41.checkpoint import load_any_config, load_weights, weight_files
 from dsv41.config import Rope, load_config
+from dsv41.kernels.torch_ops import select_candidate_blocks, sparse_attention
 from dsv41.model import mhc, quant, rope
-from dsv41.model.attention import select_candidate_blocks, sparse_attention
 from dsv41.model.cache import DecodeCache
 from dsv41.model.engram import compressed_token_map, hash_multipliers, table_primes, token_map_from_tokenizer
 from dsv41.model.layers import Linear, Storage
@@ -169,9 +169,10 @@ def _mine(trace: Trace, layer: int, name: str) -> torch.Tensor | None:
     return trace.get(f"layer{layer}.{key}")
 
 
-def run_parity(folder: str | Path, decode_mode: str = "official") -> list[Row]:
+def run_parity(folder: str | Path, decode_mode: str = "official", packed: bool = False) -> list[Row]:
     """Compare everything recorded. decode_mode 'official' reproduces the official decode path's
-    shared index-key slot (SPEC.md §17); 'design' scores each group's own keys at every step."""
+    shared index-key slot (SPEC.md §17); 'design' scores each group's own keys at every step.
+    `packed` keeps the caches in their real byte formats and decodes through the packed kernels."""
     golden = Golden(Path(folder))
     rows = unit_rows(golden.units)
     io, config = golden.io, golden.config
@@ -179,7 +180,7 @@ def run_parity(folder: str | Path, decode_mode: str = "official") -> list[Row]:
     model = golden.model()
     cand = config.text_config.candidate_source_layer_id
     capacity = golden.runtime.max_seq_len or (io["prompt_ids"].size(1) + io["decode.input_ids"].numel() + 1)
-    cache = DecodeCache.allocate(config, 1, capacity, official_decode_slots=decode_mode == "official")
+    cache = DecodeCache.allocate(config, 1, capacity, official_decode_slots=decode_mode == "official", packed=packed)
     trace = Trace()
     with torch.inference_mode():
         out = model(io["prompt_ids"], trace=trace, cache=cache)

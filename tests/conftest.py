@@ -1,4 +1,8 @@
+import os
 from pathlib import Path
+
+# Triton kernels run on the CPU through Triton's interpreter in tests (set before triton loads).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -1,7 +1,8 @@
 import torch
 from safetensors.torch import load_file
 
-from dsv41.model.attention import select_candidate_blocks, sparse_attention, visible_entries, window_indices
+from dsv41.kernels.torch_ops import select_candidate_blocks, sparse_attention
+from dsv41.model.attention import visible_entries, window_indices
 
 from .conftest import GOLDEN
 

@@ -54,3 +54,9 @@ def test_parity_command_prints_the_table_and_exits_zero():
     assert result.exit_code == 0, result.output
     assert "decode.logits" in result.stdout and "all 207 compared tensors pass" in result.stdout
     assert "not compared: DSpark is not built yet" in result.stdout
+
+
+def test_packed_caches_reproduce_the_official_decode_bit_for_bit():
+    rows = run_parity(GOLDEN, "official", packed=True)
+    assert [f"{r.group} {r.name}" for r in rows if not r.exact] == ["prefill.logits logits_last"]
+    assert all(r.passed for r in rows)

@@ -100,8 +100,10 @@ def generate(prompt: str, config_name: str, max_new_tokens: int, temperature: fl
 @click.option("--decode-mode", type=click.Choice(["official", "design"]), default="official", show_default=True,
               help="official: reproduce the official decode path's shared index-key slot (bit-exact parity); "
                    "design: each group's own keys at every step (dsv41's default behaviour).")
+@click.option("--packed", is_flag=True, help="Keep the caches in their packed byte formats and decode through the "
+              "packed-cache kernels (Triton on CUDA, their torch twins elsewhere).")
 @click.option("--details", is_flag=True, help="List every compared tensor, not only the group summary.")
-def parity(folder: str, decode_mode: str, details: bool) -> None:
+def parity(folder: str, decode_mode: str, packed: bool, details: bool) -> None:
     """Compare dsv41 against recorded official outputs in FOLDER.
 
     FOLDER holds an official-format checkpoint (config.json, weights.safetensors, tokenizer) and the
@@ -110,8 +112,9 @@ def parity(folder: str, decode_mode: str, details: bool) -> None:
     """
     from dsv41.parity import not_compared, report, run_parity
 
-    click.echo(f"running parity against {folder} (decode mode: {decode_mode})...", err=True)
-    rows = run_parity(folder, decode_mode)
+    caches = "packed" if packed else "bf16"
+    click.echo(f"running parity against {folder} (decode mode: {decode_mode}, {caches} caches)...", err=True)
+    rows = run_parity(folder, decode_mode, packed)
     click.echo(report(rows))
     if details:
         for row in rows:

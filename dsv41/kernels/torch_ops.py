@@ -4,11 +4,65 @@ CPU they reproduce the fake-quantized reference bit for bit."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dsv41.kernels.layouts import index_k_format, main_kv_format, pack_rows, swa_format, unpack_rows
-from dsv41.model.attention import sparse_attention
+from dsv41.model import mhc
 
-__all__ = ["index_scores", "pack_rows", "sparse_attention_decode"]
+__all__ = ["index_scores", "mhc_update", "pack_rows", "select_candidate_blocks", "sparse_attention",
+           "sparse_attention_decode"]
+
+ATTENTION_CHUNK = 64  # indices per online-softmax step, as the reference kernel walks them
+
+
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One softmax over gathered entries plus a per-head sink; K = V.
+
+    q [b, m, h, d] bf16, kv [b, n, d] bf16, sink [h] fp32 (added to the denominator unscaled),
+    idx [b, m, k] with -1 for unused slots. Online softmax over chunks of 64 indices with the
+    probabilities rounded to bf16 before P·V, as the reference kernel does. Output bf16.
+    """
+    b, m, h, d = q.shape
+    qf, kvf = q.float(), kv.float()
+    out = torch.zeros(b, m, h, d, dtype=torch.float32)
+    denom = torch.zeros(b, m, h, dtype=torch.float32)
+    running_max = torch.full((b, m, h), -1e30, dtype=torch.float32)
+    batch = torch.arange(b).view(b, 1, 1)
+    for start in range(0, idx.size(-1), ATTENTION_CHUNK):
+        chunk = idx[:, :, start : start + ATTENTION_CHUNK].long()
+        valid = chunk != -1
+        keys = kvf[batch, chunk.clamp(min=0)] * valid.unsqueeze(-1)
+        logits = torch.where(valid.unsqueeze(2), torch.einsum("bmhd,bmkd->bmhk", qf, keys), -torch.inf) * scale
+        previous = running_max
+        running_max = torch.maximum(previous, logits.amax(dim=-1))
+        rescale = torch.exp(previous - running_max)
+        probs = torch.exp(logits - running_max.unsqueeze(-1))
+        denom = denom * rescale + probs.sum(dim=-1)
+        pv = torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), keys)
+        out = out * rescale.unsqueeze(-1) + pv
+    denom = denom + torch.exp(sink.float() - running_max)
+    return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int
+) -> torch.Tensor:
+    """The hierarchical pool: per query, the `n_blocks` blocks of `block_size` entries with the best
+    block-max score, the block holding its newest visible entry always kept. scores [..., n] with
+    invisible entries at -inf; visible broadcasts against scores' leading dims. Returns a bool mask
+    shaped like scores."""
+    width = scores.size(-1)
+    padded = F.pad(scores, (0, -width % block_size), value=-torch.inf)
+    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    total = block_scores.size(-1)
+    newest = (visible - 1) // block_size
+    block_scores = block_scores.masked_fill(torch.arange(total) == newest, torch.inf)
+    best = block_scores.topk(min(n_blocks, total), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, best.indices, best.values > -torch.inf)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+
 
 
 def _gather(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -34,3 +88,12 @@ def index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
     k = unpack_rows(rows, index_k_format(q.size(-1)))
     dots = torch.einsum("bhd,btd->bht", q, k)
     return (dots.relu() * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float):
+    """x [..., 4, d] bf16 stream, f [..., d] bf16 sub-layer output, post [..., 4], comb [..., 4, 4],
+    mix [..., 4]; fn/scale/base: the next sub-layer's predictor. Returns (new stream, its collapse
+    by mix, pre, post, comb of the next sub-layer)."""
+    y = mhc.expand(f, x, post, comb)
+    pre_n, post_n, comb_n = mhc.predict(y, fn, scale, base, x.size(-2), iters, hc_eps, norm_eps)
+    return y, mhc.collapse(y, mix), pre_n, post_n, comb_n

@@ -247,3 +247,80 @@ def index_scores(q, weights, keys, entry_ids=None, block_n: int = 16) -> torch.T
                                    hi, max(16, triton.next_power_of_2(hi)), di, block_n, entry_ids is not None,
                                    _bf16_dots())
     return out
+
+
+@triton.jit
+def _mix_rows(fn_ptr, first: tl.constexpr, n: tl.constexpr, D: tl.constexpr, HC: tl.constexpr, stream, cols, y):
+    """Partial dot products of fn rows first..first+n-1 with one stream chunk y [CH] -> [n]."""
+    rows = first + tl.arange(0, n)
+    w = tl.load(fn_ptr + rows[:, None] * (HC * D) + stream * D + cols[None, :])
+    return tl.sum(w * y[None, :], axis=1)
+
+
+@triton.jit
+def _mhc_update_kernel(x_ptr, f_ptr, post_ptr, comb_ptr, mix_ptr, fn_ptr, scale_ptr, base_ptr, y_ptr, collapsed_ptr,
+                       pre_out, post_out, comb_out, hc_eps, norm_eps, iters, D: tl.constexpr, CH: tl.constexpr):
+    """One token: y = post*f + comb^T x (4 streams), collapsed = sum_i mix_i y_i, and the next
+    sub-layer's (pre, post, comb) from y, Sinkhorn included; one pass over the streams."""
+    HC: tl.constexpr = 4
+    t = tl.program_id(0).to(tl.int64)
+    streams = tl.arange(0, HC)
+    post = tl.load(post_ptr + t * HC + streams)
+    comb = tl.load(comb_ptr + t * HC * HC + streams[:, None] * HC + streams[None, :])  # [i, j]
+    mix = tl.load(mix_ptr + t * HC + streams)
+    square_sum = tl.zeros((1,), tl.float32)
+    acc_pre = tl.zeros((HC,), tl.float32)
+    acc_post = tl.zeros((HC,), tl.float32)
+    acc_comb = tl.zeros((HC * HC,), tl.float32)
+    for c in range(0, D, CH):
+        cols = c + tl.arange(0, CH)
+        x = tl.load(x_ptr + t * HC * D + streams[:, None] * D + cols[None, :]).to(tl.float32)
+        f = tl.load(f_ptr + t * D + cols).to(tl.float32)
+        mixed = tl.sum(comb[:, :, None] * x[:, None, :], axis=0)
+        y = _round_bf16(post[:, None] * f[None, :] + mixed)
+        tl.store(y_ptr + t * HC * D + streams[:, None] * D + cols[None, :], y.to(tl.bfloat16))
+        collapsed = _round_bf16(tl.sum(mix[:, None] * y, axis=0))
+        tl.store(collapsed_ptr + t * D + cols, collapsed.to(tl.bfloat16))
+        square_sum += tl.sum(tl.sum(y * y, axis=1), axis=0)
+        for i in tl.static_range(HC):
+            yi = tl.sum(tl.where(streams[:, None] == i, y, 0.0), axis=0)
+            acc_pre += _mix_rows(fn_ptr, 0, HC, D, HC, i, cols, yi)
+            acc_post += _mix_rows(fn_ptr, HC, HC, D, HC, i, cols, yi)
+            acc_comb += _mix_rows(fn_ptr, 2 * HC, HC * HC, D, HC, i, cols, yi)
+    rsqrt = 1.0 / tl.sqrt(square_sum / (HC * D) + norm_eps)
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(acc_pre * rsqrt * s0 + tl.load(base_ptr + streams)) + hc_eps
+    post_next = 2 * tl.sigmoid(acc_post * rsqrt * s1 + tl.load(base_ptr + HC + streams))
+    logits = tl.reshape(acc_comb * rsqrt * s2 + tl.load(base_ptr + 2 * HC + tl.arange(0, HC * HC)), (HC, HC))
+    comb_next = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb_next = comb_next / tl.sum(comb_next, axis=1)[:, None] + hc_eps
+    comb_next = comb_next / (tl.sum(comb_next, axis=0)[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        comb_next = comb_next / (tl.sum(comb_next, axis=1)[:, None] + hc_eps)
+        comb_next = comb_next / (tl.sum(comb_next, axis=0)[None, :] + hc_eps)
+    tl.store(pre_out + t * HC + streams, pre)
+    tl.store(post_out + t * HC + streams, post_next)
+    tl.store(comb_out + t * HC * HC + streams[:, None] * HC + streams[None, :], comb_next)
+
+
+def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float):
+    """x [..., 4, d] bf16 stream, f [..., d] bf16 sub-layer output, post [..., 4], comb [..., 4, 4],
+    mix [..., 4]; fn/scale/base: the next sub-layer's predictor. Returns (new stream, its collapse
+    by mix, pre, post, comb of the next sub-layer)."""
+    *lead, hc, d = x.shape
+    if hc != 4:
+        raise ValueError(f"the fused mHC kernel handles 4 streams, got {hc}")
+    tokens = x.numel() // (hc * d)
+    y = torch.empty_like(x)
+    collapsed = torch.empty(*lead, d, dtype=x.dtype, device=x.device)
+    pre_n = torch.empty(*lead, hc, device=x.device)
+    post_n = torch.empty(*lead, hc, device=x.device)
+    comb_n = torch.empty(*lead, hc, hc, device=x.device)
+    chunk = min(d, 64)
+    if d % chunk:
+        raise ValueError(f"hidden size {d} must be a multiple of {chunk}")
+    _mhc_update_kernel[(tokens,)](
+        x.contiguous(), f.contiguous(), post.float().contiguous(), comb.float().contiguous(), mix.float().contiguous(),
+        fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous(), y, collapsed, pre_n, post_n,
+        comb_n, hc_eps, norm_eps, iters, d, chunk)
+    return y, collapsed, pre_n, post_n, comb_n

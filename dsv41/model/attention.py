@@ -11,17 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv41.config import LayerSpec, Mode, TextConfig
+from dsv41.kernels import dispatch
+from dsv41.kernels.selection import topk_entries
+from dsv41.kernels.torch_ops import select_candidate_blocks, sparse_attention
 from dsv41.model.cache import DecodeCache, GroupCache
 from dsv41.model.layers import Linear, RMSNorm, Storage
 from dsv41.model.quant import fp8_qdq, main_kv_qdq, mxfp4_qdq
 from dsv41.model.rope import rotate
 from dsv41.model.trace import Trace
-
-ATTENTION_CHUNK = 64  # indices per online-softmax step, as the reference kernel walks them
 
 
 @dataclass
@@ -55,55 +55,6 @@ def ring_indices(position: int, window: int) -> torch.Tensor:
 def visible_entries(seq_len: int, ratio: int) -> torch.Tensor:
     """[seq, 1] number of complete compressed groups query p can see: floor((p+1)/ratio)."""
     return (torch.arange(1, seq_len + 1) // ratio).unsqueeze(-1)
-
-
-def sparse_attention(
-    q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One softmax over gathered entries plus a per-head sink; K = V.
-
-    q [b, m, h, d] bf16, kv [b, n, d] bf16, sink [h] fp32 (added to the denominator unscaled),
-    idx [b, m, k] with -1 for unused slots. Online softmax over chunks of 64 indices with the
-    probabilities rounded to bf16 before P·V, as the reference kernel does. Output bf16.
-    """
-    b, m, h, d = q.shape
-    qf, kvf = q.float(), kv.float()
-    out = torch.zeros(b, m, h, d, dtype=torch.float32)
-    denom = torch.zeros(b, m, h, dtype=torch.float32)
-    running_max = torch.full((b, m, h), -1e30, dtype=torch.float32)
-    batch = torch.arange(b).view(b, 1, 1)
-    for start in range(0, idx.size(-1), ATTENTION_CHUNK):
-        chunk = idx[:, :, start : start + ATTENTION_CHUNK].long()
-        valid = chunk != -1
-        keys = kvf[batch, chunk.clamp(min=0)] * valid.unsqueeze(-1)
-        logits = torch.where(valid.unsqueeze(2), torch.einsum("bmhd,bmkd->bmhk", qf, keys), -torch.inf) * scale
-        previous = running_max
-        running_max = torch.maximum(previous, logits.amax(dim=-1))
-        rescale = torch.exp(previous - running_max)
-        probs = torch.exp(logits - running_max.unsqueeze(-1))
-        denom = denom * rescale + probs.sum(dim=-1)
-        pv = torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), keys)
-        out = out * rescale.unsqueeze(-1) + pv
-    denom = denom + torch.exp(sink.float() - running_max)
-    return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
-
-
-def select_candidate_blocks(
-    scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int
-) -> torch.Tensor:
-    """The hierarchical pool: per query, the `n_blocks` blocks of `block_size` entries with the best
-    block-max score, the block holding its newest visible entry always kept. scores [..., n] with
-    invisible entries at -inf; visible broadcasts against scores' leading dims. Returns a bool mask
-    shaped like scores."""
-    width = scores.size(-1)
-    padded = F.pad(scores, (0, -width % block_size), value=-torch.inf)
-    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
-    total = block_scores.size(-1)
-    newest = (visible - 1) // block_size
-    block_scores = block_scores.masked_fill(torch.arange(total) == newest, torch.inf)
-    best = block_scores.topk(min(n_blocks, total), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, best.indices, best.values > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 
 class Compressor(nn.Module):
@@ -161,11 +112,15 @@ class Indexer(nn.Module):
         """Index keys (before MXFP4) from the pre-RoPE latent, rotated at each group's first position."""
         return rotate(self.k_norm(self.wk(latent)), table)
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """[b, s, n_entries] bf16 scores, every step in bf16 as the reference computes them."""
+    def query(self, x: torch.Tensor, qr: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MXFP4 index queries [b, s, heads, d] and per-head weights [b, s, heads] (bf16)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = mxfp4_qdq(rotate(q, table))
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return mxfp4_qdq(rotate(q, table)), weights
+
+    @staticmethod
+    def scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[b, s, n_entries] bf16 scores, every step in bf16 as the reference computes them."""
         dots = torch.einsum("bshd,btd->bsht", q, keys)
         return (dots.relu() * weights.unsqueeze(-1)).sum(dim=2)
 
@@ -200,7 +155,18 @@ class Attention(nn.Module):
         rows = table[shared.start : shared.start + s]
         qr = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
-        kv, idx = self._window(rotate(self.kv_norm(self.wkv(x)), rows), shared)
+        kv = rotate(self.kv_norm(self.wkv(x)), rows)
+        if shared.start > 0 and shared.cache.packed:
+            o = self._decode_packed(x, qr, q, kv, table, shared)
+        else:
+            o = self._attend(x, qr, q, kv, table, shared)
+        o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
+        return self.wo_b(o.flatten(2))
+
+    def _attend(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
+        """Attention over values in hand (a forward from position 0, or a bf16 decode cache)."""
+        kv, idx = self._window(kv, shared)
         if self.spec.ratio:
             entry_idx = self._global_branch(x, qr, table, shared)
             _record(shared, self.spec.layer_id, "compress_topk_idxs",
@@ -208,10 +174,26 @@ class Attention(nn.Module):
             entries, local_idx = self._entries(entry_idx, shared)
             idx = torch.cat([idx, torch.where(local_idx >= 0, local_idx + kv.size(1), -1)], dim=-1)
             kv = torch.cat([kv, entries], dim=1)
-        o = sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)
-        o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
-        return self.wo_b(o.flatten(2))
+        return sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)
+
+    def _decode_packed(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
+        """One decode step read straight from packed bytes: the SWA ring and the Top-k main-KV
+        entries are gathered and dequantized inside the attention kernel."""
+        cache, start, b = shared.cache, shared.start, x.size(0)
+        ring = cache.windows[self.spec.layer_id]
+        ring.write(slice(start % self.window, start % self.window + 1), kv)
+        slots = ring_indices(start, self.window).int().expand(b, -1)
+        if self.spec.ratio:
+            entry_idx = self._global_branch(x, qr, table, shared)[:, 0]
+            _record(shared, self.spec.layer_id, "compress_topk_idxs",
+                    torch.where(entry_idx >= 0, entry_idx + self.window, -1).unsqueeze(1))
+            main = cache.groups[self.spec.kv_owner].main_kv.data
+        else:
+            entry_idx = torch.empty(b, 0, dtype=torch.int32)
+            main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
+        out = dispatch.sparse_attention_decode(q[:, 0], ring.data, slots, main, entry_idx, self.attn_sink,
+                                               self.head_dim**-0.5)
+        return out.unsqueeze(1)
 
     def _window(self, kv: torch.Tensor, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """The SWA keys this forward attends over (FP8) and each query's slots in them; kv are the
@@ -270,26 +252,41 @@ class Attention(nn.Module):
         _record(shared, layer, "main_kv", main)
         _record(shared, layer, "index_k", keys)
 
-    def _keys_for(self, shared: SharedAttention, total: int) -> torch.Tensor:
-        """The index keys [b, total, d] this layer scores: its group's, or in official-decode
-        compatibility a Full layer without a new entry reads whatever source refreshed the shared
-        slot last."""
+    def _key_owner(self, shared: SharedAttention) -> int:
+        """Whose index keys this layer scores: its group's, or in official-decode compatibility a
+        Full layer without a new entry reads whatever source refreshed the shared slot last."""
         spec, cache = self.spec, shared.cache
-        owner = spec.kv_owner
         if (cache is not None and cache.official_decode_slots and spec.mode is Mode.FULL and shared.start > 0
                 and (shared.start + 1) % spec.ratio):
-            owner = cache.index_k_slot
-        if shared.start == 0:
-            return shared.index_k[owner][:, :total]
-        return cache.groups[owner].index_k.read(slice(0, total))
+            return cache.index_k_slot
+        return spec.kv_owner
+
+    def _scores(self, x, qr, table, shared: SharedAttention, total: int) -> torch.Tensor:
+        """Index scores [b, s, total]; a packed decode step scores the packed keys in a kernel, a
+        candidate consumer only the entries in the pool."""
+        start, s = shared.start, x.size(1)
+        q, weights = self.indexer.query(x, qr, table[start : start + s])
+        owner = self._key_owner(shared)
+        if start == 0:
+            return self.indexer.scores(q, weights, shared.index_k[owner][:, :total])
+        store = shared.cache.groups[owner].index_k
+        if not shared.cache.packed:
+            return self.indexer.scores(q, weights, store.read(slice(0, total)))
+        keys = store.data[:, :total]
+        if not self.spec.candidate_consumer:
+            return dispatch.index_scores(q[:, 0], weights[:, 0], keys).unsqueeze(1)
+        pool = shared.candidates[:, 0]
+        ids = torch.where(pool, torch.arange(total), total).sort(dim=-1).values[:, : int(pool.sum(-1).max())]
+        pool_scores = dispatch.index_scores(q[:, 0], weights[:, 0], keys, ids.clamp(max=total - 1))
+        scores = torch.full((x.size(0), total + 1), -torch.inf, dtype=pool_scores.dtype)
+        return scores.scatter(-1, ids, pool_scores)[:, :total].unsqueeze(1)
 
     def _select(self, x, qr, table, shared: SharedAttention) -> torch.Tensor:
         spec, s, start = self.spec, x.size(1), shared.start
         total = (start + s) // spec.ratio
         if total == 0:
             return torch.empty(x.size(0), s, 0, dtype=torch.int32)
-        keys = self._keys_for(shared, total)
-        scores = self.indexer.scores(x, qr, keys, table[start : start + s])
+        scores = self._scores(x, qr, table, shared, total)
         if start == 0:
             visible = visible_entries(s, spec.ratio)
             scores = scores.masked_fill(torch.arange(total) >= visible, -torch.inf)
@@ -302,7 +299,7 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~shared.candidates, -torch.inf)
         _record(shared, spec.layer_id, "index_score", scores)
         k = min(self.indexer.topk, total)
-        picked = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        picked = topk_entries(scores, k)
         return torch.where(picked < visible, picked, -1).int()
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from dsv41.config import LayerSpec, TextConfig
+from dsv41.kernels import dispatch
 from dsv41.model import mhc
 from dsv41.model.attention import Attention, SharedAttention
 from dsv41.model.layers import RMSNorm
@@ -40,10 +41,12 @@ class Block(nn.Module):
         """x [b, s, hc, dim]; pre_mix is the previous sub-layer's pre. Returns (stream, ffn pre)."""
         attn_pre, attn_post, attn_comb = self.coefficients(x, "attn")
         attn_out = self.attn(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
-        x = mhc.expand(attn_out, x, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = self.coefficients(x, "ffn")
+        # one pass: residual update, the FFN's input collapse and its coefficient prediction
+        x, ffn_in, ffn_pre, ffn_post, ffn_comb = dispatch.mhc_update(
+            x, attn_out, attn_post, attn_comb, attn_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
+            self.iters, self.hc_eps, self.eps)
         routing = {} if shared.trace is not None else None
-        ffn_out = self.ffn(self.ffn_norm(mhc.collapse(x, attn_pre)), image_mask, routing)
+        ffn_out = self.ffn(self.ffn_norm(ffn_in), image_mask, routing)
         x = mhc.expand(ffn_out, x, ffn_post, ffn_comb)
         if shared.trace is not None:
             recorded = dict(attn_out=attn_out, ffn_out=ffn_out, out_h=x, out_pre_mix=ffn_pre, **routing,

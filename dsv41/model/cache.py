@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.config import Mode, ModelConfig
+from dsv41.kernels import dispatch
 from dsv41.kernels.layouts import (
     EntryFormat,
     index_k_format,
     main_kv_format,
-    pack_rows,
     quantize_dequantize,
     swa_format,
     unpack_rows,
@@ -40,7 +40,7 @@ class EntryStore:
 
     def write(self, rows: torch.Tensor | slice, values: torch.Tensor) -> None:
         """Quantize unquantized rows into the store (both forms hold the same values)."""
-        quantize = pack_rows if self.packed else quantize_dequantize
+        quantize = dispatch.pack_rows if self.packed else quantize_dequantize
         self.data[:, rows] = quantize(values, self.fmt)
 
     def read(self, rows: slice | None = None) -> torch.Tensor:
@@ -73,6 +73,7 @@ class DecodeCache:
     ids: torch.Tensor  # [b, capacity] token history (Engram looks back)
     live: torch.Tensor  # [b, capacity] False for image-span tokens
     length: int = 0
+    packed: bool = False  # entries in their real bytes, read through the packed-cache kernels
     # Compatibility with the official decode path (SPEC.md §17): the official code shares index keys
     # through one slot that only an emitting source refreshes. When set, a Full layer without a new
     # entry scores against the slot's keys, as the official implementation does.
@@ -99,4 +100,5 @@ class DecodeCache:
                 score_state=torch.full(state, -torch.inf) if s.ratio > 1 else None,
             )
         return cls(capacity, windows, groups, torch.zeros(batch, capacity, dtype=torch.long),
-                   torch.ones(batch, capacity, dtype=torch.bool), official_decode_slots=official_decode_slots)
+                   torch.ones(batch, capacity, dtype=torch.bool), packed=packed,
+                   official_decode_slots=official_decode_slots)

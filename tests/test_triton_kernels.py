@@ -1,0 +1,110 @@
+"""Each Triton kernel against its torch twin, on the CPU through Triton's interpreter."""
+
+import pytest
+import torch
+
+from dsv41.kernels import torch_ops
+from dsv41.kernels.layouts import index_k_format, main_kv_format, swa_format
+from dsv41.kernels.selection import topk_entries
+
+triton_kernels = pytest.importorskip("dsv41.kernels.triton_kernels", reason="triton is not installed")
+
+
+def _within_bf16_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within one bf16 ulp of each value, or of the largest value for outputs near zero (their
+    error comes from summing terms of the larger magnitude in another order)."""
+    want = want.float()
+    bound = want.abs() * 2**-7 + want.abs().max() * 2**-8
+    return bool(((got.float() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("fmt", [main_kv_format(64), index_k_format(32), swa_format(64), main_kv_format(512),
+                                 swa_format(512)], ids=lambda f: f"{f.name}-{f.dim}")
+def test_pack_rows_is_bit_exact(rng, fmt):
+    x = torch.randn(7, 3, fmt.dim, generator=rng) * torch.rand(7, 3, 1, generator=rng).pow(4) * 1000
+    x[0, 0, :8] = torch.tensor([400.0, -0.0, 0.75, 1.75, 3.5, 1e-9, 2.5, 5.0])  # ties, -0, tiny
+    x[1, 1] = 0.0  # an all-zero row takes the floor scale
+    x = x.bfloat16()
+    assert torch.equal(triton_kernels.pack_rows(x, fmt), torch_ops.pack_rows(x, fmt))
+
+
+def _packed_case(rng, b=2, h=3, d=64, window=8, n=37, k=11):
+    q = torch.randn(b, h, d, generator=rng).bfloat16()
+    ring = torch_ops.pack_rows(torch.randn(b, window, d, generator=rng) * 3, swa_format(d))
+    main = torch_ops.pack_rows(torch.randn(b, n, d, generator=rng) * 3, main_kv_format(d))
+    slots = torch.randperm(window, generator=rng).repeat(b, 1).int()
+    slots[0, 5:] = -1  # ring still filling
+    topk = torch.randint(0, n, (b, k), generator=rng).int()
+    topk[-1, 3:6] = -1  # fewer visible entries than k
+    return q, ring, slots, main, topk, torch.randn(h, generator=rng)
+
+
+def test_sparse_attention_decode_within_one_bf16_ulp(rng):
+    args = _packed_case(rng)
+    got = triton_kernels.sparse_attention_decode(*args, 64**-0.5)
+    want = torch_ops.sparse_attention_decode(*args, 64**-0.5)
+    assert _within_bf16_ulp(got, want)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(sink + 1e30): the empty row's denominator
+def test_sparse_attention_decode_with_nothing_visible_gives_zeros(rng):
+    q, ring, slots, main, topk, sink = _packed_case(rng, b=1)
+    slots[:], topk[:] = -1, -1
+    got = triton_kernels.sparse_attention_decode(q, ring, slots, main, topk, sink, 0.125)
+    assert torch.equal(got, torch.zeros_like(got))
+    assert torch.equal(torch_ops.sparse_attention_decode(q, ring, slots, main, topk, sink, 0.125), got)
+
+
+def test_sparse_attention_decode_over_the_official_sizes(rng):
+    args = _packed_case(rng, b=1, h=5, d=512, window=128, n=70, k=64)
+    got = triton_kernels.sparse_attention_decode(*args, 512**-0.5)
+    assert _within_bf16_ulp(got, torch_ops.sparse_attention_decode(*args, 512**-0.5))
+
+
+def _index_case(rng, b=2, heads=5, d=32, n=41):
+    q = torch.randn(b, heads, d, generator=rng).bfloat16()
+    weights = torch.randn(b, heads, generator=rng).bfloat16()
+    keys = torch_ops.pack_rows(torch.randn(b, n, d, generator=rng), index_k_format(d))
+    return q, weights, keys
+
+
+def test_index_scores_are_bit_exact_over_all_entries_and_over_a_pool(rng):
+    q, weights, keys = _index_case(rng)
+    assert torch.equal(triton_kernels.index_scores(q, weights, keys), torch_ops.index_scores(q, weights, keys))
+    pool = torch.randint(0, keys.size(1), (2, 13), generator=rng)
+    assert torch.equal(triton_kernels.index_scores(q, weights, keys, pool),
+                       torch_ops.index_scores(q, weights, keys, pool))
+
+
+def test_pool_scoring_equals_masking_full_scores_with_the_newest_block_kept(rng):
+    q, weights, keys = _index_case(rng, b=1, n=40)
+    full = torch_ops.index_scores(q, weights, keys)
+    pool = torch_ops.select_candidate_blocks(full.float().unsqueeze(1), 38, 3, 4)[0, 0]
+    assert pool[36:38].all()  # the newest block (entries 36..39, 38 visible) is always in
+    ids = pool.nonzero().flatten().unsqueeze(0)
+    restricted = triton_kernels.index_scores(q, weights, keys, ids)
+    assert torch.equal(restricted[0], full[0, pool])
+
+
+def test_topk_ties_go_to_the_lower_entry_id():
+    scores = torch.tensor([[1.0, 3.0, 2.0, 3.0, -0.0, 0.0, 3.0, float("-inf")]]).bfloat16()
+    assert topk_entries(scores, 2).tolist() == [[1, 3]]
+    assert topk_entries(scores, 4).tolist() == [[1, 2, 3, 6]]
+    assert topk_entries(scores[:, 4:6], 1).tolist() == [[0]]  # -0 equals +0: the lower id wins
+    assert topk_entries(scores, 8).tolist() == [list(range(8))]  # more than visible: -inf ones last
+
+
+def test_fused_mhc_update_matches_its_twin(rng):
+    t, d = 5, 128
+    x = torch.randn(1, t, 4, d, generator=rng).bfloat16()
+    f = torch.randn(1, t, d, generator=rng).bfloat16()
+    post, mix = torch.rand(1, t, 4, generator=rng) * 2, torch.rand(1, t, 4, generator=rng)
+    comb = torch.softmax(torch.randn(1, t, 4, 4, generator=rng), -1)
+    fn = torch.randn(24, 4 * d, generator=rng) * (4 * d) ** -0.5
+    scale, base = 1 + 0.3 * torch.randn(3, generator=rng), 0.5 * torch.randn(24, generator=rng)
+    got = triton_kernels.mhc_update(x, f, post, comb, mix, fn, scale, base, 20, 1e-6, 1e-20)
+    want = torch_ops.mhc_update(x, f, post, comb, mix, fn, scale, base, 20, 1e-6, 1e-20)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # stream and collapse: exact
+    for g, w in zip(got[2:], want[2:], strict=True):  # coefficients: fp32 sums in another order
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got[4].sum(-2), torch.ones(1, t, 4), atol=1e-5)
