@@ -121,3 +121,18 @@ def test_reference_scales_round_up_and_ocp_scales_round_down():
     assert codecs.ocp_mx_scale(torch.tensor([7.0]), 2).tolist() == [1.0]
     assert codecs.pow2_scale_up(torch.tensor([7.0]), 6.0).tolist() == [2.0]
     assert codecs.e4m3_scale(torch.tensor([7.0])).tolist() == [1.125]
+
+
+@pytest.mark.parametrize(("test", "decode"), [("test_dequantizelinear_e4m3fn", codecs.e4m3_decode),
+                                              ("test_dequantizelinear_float4e2m1", codecs.e2m1_decode)])
+def test_onnx_dequantize_linear(test, decode):
+    case = ONNX[test]
+    codes = torch.tensor(case["test_data_set_0/input_0.pb"]["codes"], dtype=torch.uint8)
+    scale = _values(case["test_data_set_0/input_1.pb"])
+    assert torch.equal(decode(codes) * scale, _values(case["test_data_set_0/output_0.pb"]))
+
+
+def test_onnx_quantize_linear_e4m3_saturates():
+    case = ONNX["test_quantizelinear_e4m3fn"]
+    x, scale = _values(case["test_data_set_0/input_0.pb"]), _values(case["test_data_set_0/input_1.pb"])
+    assert codecs.e4m3_encode(x / scale).tolist() == case["test_data_set_0/output_0.pb"]["codes"]
