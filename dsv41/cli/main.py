@@ -6,6 +6,7 @@ import time
 
 import click
 
+from dsv41.cli.kv import kv
 from dsv41.config import BUILTIN_CONFIGS, ConfigError, ModelConfig, load_config
 
 CONFIG_HELP = f"Built-in config name ({', '.join(BUILTIN_CONFIGS)}) or path to a config.json."
@@ -127,3 +128,6 @@ def parity(folder: str, decode_mode: str, packed: bool, details: bool) -> None:
         raise click.ClickException(f"{len(failed)} of {len(rows)} tensors differ; first: {failed[0].group} "
                                    f"{failed[0].name} {failed[0].note}")
     click.echo(f"parity: all {len(rows)} compared tensors pass ({sum(r.exact for r in rows)} bit-exact)")
+
+
+cli.add_command(kv)

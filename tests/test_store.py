@@ -1,0 +1,138 @@
+"""The LMDB global-KV store: contents, retention, growth, damage, versions, restarts."""
+
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from dsv41.storage.blockfmt import HEADER_BYTES, BlockLayout
+from dsv41.storage.store import GlobalKVStore, StoreConfig, StoreFullError, StoreVersionError
+
+LAYOUT = BlockLayout(16, ((2, 288, 68), (2, 288, 68), (2, 288, 68), (1, 288, 68)))
+BLOCK = LAYOUT.payload_bytes + HEADER_BYTES
+
+
+def key(i: int) -> bytes:
+    return struct.pack("<I", i) + bytes(28)
+
+
+def payload(i: int) -> bytes:
+    return (struct.pack("<I", i) * (LAYOUT.payload_bytes // 4 + 1))[: LAYOUT.payload_bytes]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def __call__(self):
+        return self.now
+
+
+def open_store(path, clock=None, blocks=100, min_age_h=72.0, **extra) -> GlobalKVStore:
+    config = StoreConfig(capacity_bytes=blocks * BLOCK, min_age_s=min_age_h * 3600, **extra)
+    return GlobalKVStore(path / "store", LAYOUT, config, clock=clock or Clock())
+
+
+def test_batched_writes_read_back_zero_copy(tmp_path):
+    with open_store(tmp_path) as store:
+        assert store.put_many({key(i): payload(i) for i in range(5)}) == 5
+        assert store.put_many({key(0): payload(0)}) == 0  # already there
+        with store.reader() as r:
+            view = r.get(key(3))
+            assert isinstance(view, memoryview) and view == payload(3)
+            assert r.get(key(9)) is None
+        assert store.longest_prefix([key(0), key(1), key(7), key(2)]) == 2
+        assert store.stored_bytes() == 5 * BLOCK and store.verify() == []
+
+
+def test_nothing_younger_than_the_minimum_age_is_evicted(tmp_path):
+    clock = Clock()
+    with open_store(tmp_path, clock, blocks=10) as store:
+        store.put_many({key(i): payload(i) for i in range(9)})
+        with pytest.raises(StoreFullError, match="younger than the minimum age of 72 h"):
+            store.put_many({key(i): payload(i) for i in range(9, 12)})
+        assert store.stored_bytes() == 9 * BLOCK  # the refused batch stored nothing
+        clock.now += 71 * 3600
+        with pytest.raises(StoreFullError):
+            store.put_many({key(20): payload(20), key(21): payload(21)})
+        assert store.gc(target_bytes=5 * BLOCK, ignore_min_age=True) == 4  # the operator may override
+
+
+def test_lru_order_beyond_the_minimum_age(tmp_path):
+    clock = Clock()
+    with open_store(tmp_path, clock, blocks=10, touch_granularity_s=0) as store:
+        for i in range(8):
+            store.put_many({key(i): payload(i)})
+            clock.now += 1
+        clock.now += 73 * 3600
+        with store.reader() as r:
+            for i in (0, 1, 2):  # recently used again
+                assert r.get(key(i)) is not None
+        store.flush()
+        store.put_many({key(100 + i): payload(100 + i) for i in range(3)})  # past the 95 % watermark
+        left = {k for k, *_ in store.entries()}
+        assert {key(i) for i in (0, 1, 2)} <= left
+        assert key(3) not in left and key(4) not in left  # least recently used went first
+        assert store.stored_bytes() <= 0.95 * 10 * BLOCK and store.verify() == []
+
+
+def test_access_times_are_buffered_not_written_per_read(tmp_path):
+    clock = Clock()
+    with open_store(tmp_path, clock) as store:
+        store.put_many({key(1): payload(1)})
+        version = store.env.info()["last_txnid"]
+        for _ in range(100):
+            with store.reader() as r:
+                r.get(key(1))
+        assert store.env.info()["last_txnid"] == version  # 100 reads, no write transaction
+        clock.now += 5
+        store.flush()
+        assert next(store.entries())[2] == clock.now - 5  # recorded once, at the first read
+
+
+def test_the_map_grows_instead_of_filling(tmp_path):
+    with open_store(tmp_path, blocks=4000, initial_map_bytes=2**20) as store:
+        for i in range(0, 300, 10):
+            store.put_many({key(j): payload(j) for j in range(i, i + 10)})
+        assert store.env.info()["map_size"] > 2**20 and store.verify() == []
+
+
+def test_damaged_values_are_misses_never_data(tmp_path):
+    with open_store(tmp_path) as store:
+        store.put_many({key(i): payload(i) for i in range(3)})
+        with store.env.begin(write=True) as txn:  # bit rot LMDB itself would not notice
+            damaged = bytearray(txn.get(key(1), db=store.blocks))
+            damaged[HEADER_BYTES + 100] ^= 0x40
+            txn.put(key(1), bytes(damaged), db=store.blocks)
+        assert [why for _, why in store.verify()] == ["checksum mismatch"]
+        with store.reader() as r:
+            assert r.get(key(1)) is None and r.get(key(2)) == payload(2)
+        assert store.counters.bad == 1
+        store.flush()  # the bad value is deleted with the next write
+        assert store.verify() == [] and store.longest_prefix([key(0), key(1)]) == 1
+
+
+def test_other_store_format_or_layout_is_a_clear_error(tmp_path):
+    open_store(tmp_path).close()
+    other = BlockLayout(32, LAYOUT.groups)
+    with pytest.raises(StoreVersionError, match="another block size or KV format"):
+        GlobalKVStore(tmp_path / "store", other)
+    store = open_store(tmp_path)
+    with store.env.begin(write=True, db=store.info) as txn:
+        txn.put(b"format", struct.pack("<Q", 99))
+    store.close()
+    with pytest.raises(StoreVersionError, match="store format 99; this build reads 1"):
+        open_store(tmp_path)
+
+
+def test_a_restarted_process_sees_the_same_hits(tmp_path):
+    with open_store(tmp_path) as store:
+        store.put_many({key(i): payload(i) for i in range(6)})
+    code = ("import sys; sys.path.insert(0, 'tests'); from test_store import *; from pathlib import Path;"
+            "s = open_store(Path(sys.argv[1])); print(s.longest_prefix([key(i) for i in range(9)]), "
+            "s.get_copy(key(5)) == payload(5))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert out.stdout.split() == ["6", "True"]

@@ -1,0 +1,141 @@
+"""The store under real process crashes: a SIGKILLed writer, concurrent readers, a killed reader."""
+
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from dsv41.storage.store import GlobalKVStore, StoreConfig
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+import store_worker  # noqa: E402
+
+WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
+CRASH_ROUNDS = 200
+
+
+class Worker:
+    """A worker subprocess in its own process group; stdout lines are collected on a thread."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+
+    def wait_for(self, count: int, prefix: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(line.startswith(prefix) for line in self.lines) < count:
+            assert self.proc.poll() is None, f"worker exited: {self.lines[-3:]}"
+            assert time.monotonic() < deadline, f"no {count} '{prefix}' lines in {timeout} s"
+            time.sleep(0.005)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.thread.join(timeout=5)
+
+    def acked(self) -> list[int]:
+        return [int(line.split()[1]) for line in self.lines if line.startswith("ack ")]
+
+
+def _batches_present(store: GlobalKVStore) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for key, *_ in store.entries():
+        batch = struct.unpack("<I", key[:4])[0]
+        counts[batch] = counts.get(batch, 0) + 1
+    return counts
+
+
+def test_writer_killed_at_random_points_loses_nothing_acknowledged(tmp_path):
+    path, rng, next_batch, acked = str(tmp_path / "store"), random.Random(), 0, set()
+    for _ in range(CRASH_ROUNDS):
+        worker = Worker("write", path, str(next_batch), "1000000")
+        try:
+            worker.wait_for(rng.randint(0, 2), "ack ")
+            time.sleep(rng.random() * 0.02)  # die anywhere, often inside a write transaction
+        finally:
+            worker.kill()
+        acked.update(worker.acked())
+        store = GlobalKVStore(path, store_worker.LAYOUT, StoreConfig(capacity_bytes=2**40, min_age_s=0))
+        try:
+            assert store.verify() == []
+            present = _batches_present(store)
+            assert all(count == store_worker.BATCH for count in present.values()), "a partial batch is visible"
+            assert acked <= set(present), f"acknowledged batches lost: {sorted(acked - set(present))[:5]}"
+            with store.reader() as r:
+                for batch in rng.sample(sorted(present), min(3, len(present))):
+                    for i, k in enumerate(store_worker.batch_keys(batch)):
+                        assert r.get(k) == store_worker.payload(batch, i)
+            next_batch = max(present, default=-1) + 1
+        finally:
+            store.close()
+    assert len(acked) >= CRASH_ROUNDS // 2  # the writers really did commit batches
+
+
+def test_readers_never_see_torn_values_and_a_killed_reader_does_not_block_the_writer(tmp_path):
+    path = str(tmp_path / "store")
+    writer = Worker("write", path, "0", "40")  # small capacity: the writer evicts all the time
+    readers = []
+    try:
+        writer.wait_for(5, "ack ")
+        readers = [Worker("read", path) for _ in range(3)]
+        for reader in readers:
+            reader.wait_for(2, "read ")
+        readers[0].kill()  # SIGKILL, most likely inside a read transaction
+        before = len(writer.acked())
+        writer.wait_for(before + 30, "ack ")  # the writer goes on after the reader's death
+        for reader in readers[1:]:
+            reader.wait_for(4, "read ")
+        assert not any("torn" in line for reader in readers for line in reader.lines)
+    finally:
+        for worker in [writer, *readers]:
+            worker.kill()
+    store = GlobalKVStore(path, store_worker.LAYOUT, StoreConfig(capacity_bytes=40 * 14_400, min_age_s=0))
+    try:
+        assert store.verify() == []
+        assert (Path(path) / "data.mdb").stat().st_size < 64 * 2**20  # no runaway growth from the dead slot
+    finally:
+        store.close()
+
+
+def test_disk_full_is_a_named_error_and_the_store_stays_consistent(tmp_path):
+    code = f"""
+import resource, signal, sys
+sys.path.insert(0, {str(WORKER.parent)!r})
+import store_worker
+from dsv41.storage.store import GlobalKVStore, StoreConfig, StoreFullError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+store = GlobalKVStore({str(tmp_path / 'store')!r}, store_worker.LAYOUT, StoreConfig(capacity_bytes=2**40, min_age_s=0,
+                      initial_map_bytes=2**20))
+resource.setrlimit(resource.RLIMIT_FSIZE, (3 * 2**20, 3 * 2**20))
+batch = 0
+try:
+    while True:
+        store.put_many({{k: store_worker.payload(batch, i) for i, k in enumerate(store_worker.batch_keys(batch))}})
+        batch += 1
+except StoreFullError as exc:
+    print("full", batch, exc)
+except OSError as exc:
+    print("oserror", batch, exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("full "), out.stdout + out.stderr
+    written = int(out.stdout.split()[1])
+    store = GlobalKVStore(tmp_path / "store", store_worker.LAYOUT, StoreConfig(capacity_bytes=2**40, min_age_s=0))
+    try:
+        assert store.verify() == []
+        assert sorted(_batches_present(store)) == list(range(written))
+    finally:
+        store.close()
