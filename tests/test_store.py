@@ -136,3 +136,27 @@ def test_a_restarted_process_sees_the_same_hits(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONHASHSEED": "123"})
     assert out.stdout.split() == ["6", "True"]
+
+
+def test_kv_commands(tmp_path):
+    from click.testing import CliRunner
+
+    from dsv41.cli.main import cli
+
+    clock = Clock()
+    with open_store(tmp_path, clock) as store:
+        store.put_many({key(i): payload(i) for i in range(4)})
+    path = str(tmp_path / "store")
+    run = CliRunner().invoke
+    out = run(cli, ["kv", "stats", "--path", path]).stdout
+    assert f"4 blocks of 16 tokens, {4 * BLOCK:,} bytes" in out and "written 4" in out
+    assert run(cli, ["kv", "verify", "--path", path]).exit_code == 0
+    with open_store(tmp_path, clock) as store, store.env.begin(write=True) as txn:
+        txn.put(key(2), b"DSKV" + bytes(40), db=store.blocks)
+    bad = run(cli, ["kv", "verify", "--path", path])
+    assert bad.exit_code == 1 and "1 problem(s)" in bad.output
+    gc = run(cli, ["kv", "gc", "--path", path, "--capacity-gib", str(2 * BLOCK / 2**30), "--ignore-min-age"])
+    assert gc.exit_code == 0 and "evicted 3 blocks" in gc.stdout
+    result = run(cli, ["kv", "compact", "--path", path, str(tmp_path / "copy")])
+    assert result.exit_code == 0 and (tmp_path / "copy" / "data.mdb").is_file()
+    assert run(cli, ["kv", "stats", "--path", str(tmp_path / "nowhere")]).exit_code == 1
