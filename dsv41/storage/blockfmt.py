@@ -1,11 +1,12 @@
 """Byte format of one stored block: a checked header, then the block's global KV.
 
-    magic "DSKV" | format u16 | layout u16 | block tokens u32 | payload bytes u32 | blake2b-16 of payload
+    magic "DSKV" | format u16 | layout u16 | block tokens u32 | payload bytes u32 | XXH3-128 of payload
     payload: for each global KV group in plan order (owner layer ascending):
              main-KV entries (block/m x 288 B), then indexer-K entries (block/m x 68 B)
 
 LMDB does not detect damaged values, so every read checks magic, version, layout, sizes and the
-checksum; a value that fails is a miss, never data for the model.
+checksum; a value that fails is a miss, never data for the model. XXH3 checks a 222 KiB block at
+tens of GB/s, so verifying every read costs little next to the read itself.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+
+import xxhash
 
 MAGIC = b"DSKV"
 _HEADER = struct.Struct("<4sHHII16s")
@@ -55,7 +58,7 @@ class BlockLayout:
 def encode(layout: BlockLayout, payload: bytes | memoryview) -> bytes:
     if len(payload) != layout.payload_bytes:
         raise ValueError(f"block payload is {len(payload)} bytes, the layout needs {layout.payload_bytes}")
-    digest = hashlib.blake2b(payload, digest_size=16).digest()
+    digest = xxhash.xxh3_128_digest(payload)
     header = _HEADER.pack(MAGIC, layout.format_version, layout.layout_id, layout.block_tokens, len(payload), digest)
     return header + bytes(payload)
 
@@ -76,7 +79,7 @@ def decode(layout: BlockLayout, value: bytes | memoryview) -> memoryview:
     payload = view[HEADER_BYTES:]
     if len(payload) != size or size != layout.payload_bytes:
         raise BadBlock(f"payload is {len(payload)} bytes, header says {size}, layout needs {layout.payload_bytes}")
-    if hashlib.blake2b(payload, digest_size=16).digest() != digest:
+    if xxhash.xxh3_128_digest(payload) != digest:
         raise BadBlock("checksum mismatch")
     return payload
 

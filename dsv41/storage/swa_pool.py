@@ -45,10 +45,11 @@ class SWAPool:
         return len(self._items)
 
     def put(self, key: bytes, snapshot: bytes) -> None:
+        """Pool `snapshot` (any object with a length in bytes; it is kept, not copied)."""
         if len(snapshot) > self.capacity:
             raise SWAPoolError(f"a snapshot of {len(snapshot)} bytes cannot fit a pool of {self.capacity} bytes")
         self._drop(key)
-        self._items[key] = (self.clock(), bytes(snapshot))
+        self._items[key] = (self.clock(), snapshot)
         self.bytes_used += len(snapshot)
         self._expire()
         while self.bytes_used > self.capacity:
