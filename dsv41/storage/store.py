@@ -197,6 +197,7 @@ class GlobalKVStore:
         """One write transaction: the pending touches and deletions, then `body`; grows the map
         first when it is nearly full, and once more on MapFullError."""
         self._grow_map_if_needed()
+        self.env.reader_check()  # free slots of readers that died; a dead slot would pin old pages
         for attempt in (0, 1):
             try:
                 with self.env.begin(write=True) as txn:
