@@ -164,8 +164,11 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     report = {"ttl_s": args.ttl_s, "pool_bytes": int(args.pool_gib * 2**30), "runs": rows}
     (RESULTS / "cache_policy.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(runs, RESULTS / "cache_policy.png")
-    print(f"wrote {RESULTS / 'cache_policy.json'} and cache_policy.png")
+    try:
+        plot(runs, RESULTS / "cache_policy.png")
+        print(f"wrote {RESULTS / 'cache_policy.json'} and cache_policy.png")
+    except ImportError:
+        print(f"wrote {RESULTS / 'cache_policy.json'}; no plot: matplotlib is missing (pip install -e '.[bench]')")
 
 
 if __name__ == "__main__":
