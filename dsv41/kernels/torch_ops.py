@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv41.kernels.layouts import index_k_format, main_kv_format, pack_rows, swa_format, unpack_rows
-from dsv41.model import mhc
+from dsv41.model import mhc, numerics
 
 __all__ = ["index_scores", "mhc_update", "pack_rows", "select_candidate_blocks", "sparse_attention",
            "sparse_attention_decode"]
@@ -34,15 +34,15 @@ def sparse_attention(
         chunk = idx[:, :, start : start + ATTENTION_CHUNK].long()
         valid = chunk != -1
         keys = kvf[batch, chunk.clamp(min=0)] * valid.unsqueeze(-1)
-        logits = torch.where(valid.unsqueeze(2), torch.einsum("bmhd,bmkd->bmhk", qf, keys), -torch.inf) * scale
+        logits = torch.where(valid.unsqueeze(2), numerics.einsum("bmhd,bmkd->bmhk", qf, keys), -torch.inf) * scale
         previous = running_max
         running_max = torch.maximum(previous, logits.amax(dim=-1))
-        rescale = torch.exp(previous - running_max)
-        probs = torch.exp(logits - running_max.unsqueeze(-1))
-        denom = denom * rescale + probs.sum(dim=-1)
-        pv = torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), keys)
+        rescale = numerics.elementwise(torch.exp, previous - running_max)
+        probs = numerics.elementwise(torch.exp, logits - running_max.unsqueeze(-1))
+        denom = denom * rescale + numerics.wide(probs).sum(dim=-1).float()
+        pv = numerics.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), keys)
         out = out * rescale.unsqueeze(-1) + pv
-    denom = denom + torch.exp(sink.float() - running_max)
+    denom = denom + numerics.elementwise(torch.exp, sink.float() - running_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
 
 
@@ -86,8 +86,8 @@ def index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
     bf16 scores [b, n] for every key, or for entry_ids [b, n] (a candidate pool)."""
     rows = keys if entry_ids is None else _gather(keys, entry_ids)
     k = unpack_rows(rows, index_k_format(q.size(-1)))
-    dots = torch.einsum("bhd,btd->bht", q, k)
-    return (dots.relu() * weights.unsqueeze(-1)).sum(dim=1)
+    dots = numerics.einsum("bhd,btd->bht", q, k)
+    return numerics.wide(dots.relu() * weights.unsqueeze(-1)).sum(dim=1).to(dots.dtype)
 
 
 def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float):

@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsv41.config import LayerSpec, Mode, TextConfig
 from dsv41.kernels import dispatch
 from dsv41.kernels.selection import topk_entries
 from dsv41.kernels.torch_ops import select_candidate_blocks, sparse_attention
+from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
 from dsv41.model.layers import Linear, RMSNorm, Storage
 from dsv41.model.quant import fp8_qdq, main_kv_qdq, mxfp4_qdq
@@ -31,6 +33,7 @@ class SharedAttention:
 
     start: int = 0
     cache: DecodeCache | None = None
+    window_floor: int = 0  # SWA positions below this are not attended (bounded replay starts here)
     main_kv: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, head_dim]
     index_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, index_head_dim]
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, s, k] entry ids, -1 = unused
@@ -38,23 +41,35 @@ class SharedAttention:
     trace: Trace | None = None
 
 
+# Index tables have a fixed width (W window columns, index_topk entry columns) and list each row's
+# valid indices first: a query's attention then does not depend on how long the sequence or the
+# chunk it came in is. Where the official code's tables are narrower (fewer tokens than W or k)
+# or pad in front, its rows hold the same valid indices in the same order.
+
+
 def window_indices(seq_len: int, window: int) -> torch.Tensor:
-    """[seq, min(seq, window)] positions each query sees in the SWA branch: p-window+1..p, -1 padded."""
+    """[seq, window] positions each query sees in the SWA branch: p-window+1..p, then -1."""
     end = torch.arange(seq_len).unsqueeze(1)
-    idx = (end - window + 1).clamp(min=0) + torch.arange(min(seq_len, window))
+    idx = (end - window + 1).clamp(min=0) + torch.arange(window)
     return torch.where(idx > end, -1, idx)
 
 
 def ring_indices(position: int, window: int) -> torch.Tensor:
-    """[1, window] ring slots a decode query at `position` sees, oldest first, -1 while unfilled."""
+    """[1, window] ring slots a decode query at `position` sees, oldest first, then -1."""
     oldest = position % window + 1
     idx = torch.cat([torch.arange(oldest, window), torch.arange(oldest)])
-    return torch.where(idx > position, -1, idx).unsqueeze(0)
+    return valid_first(torch.where(idx > position, -1, idx).unsqueeze(0))
 
 
-def visible_entries(seq_len: int, ratio: int) -> torch.Tensor:
-    """[seq, 1] number of complete compressed groups query p can see: floor((p+1)/ratio)."""
-    return (torch.arange(1, seq_len + 1) // ratio).unsqueeze(-1)
+def visible_entries(seq_len: int, ratio: int, start: int = 0) -> torch.Tensor:
+    """[seq, 1] number of complete compressed groups query p (start..start+seq-1) can see:
+    floor((p+1)/ratio)."""
+    return (torch.arange(start + 1, start + seq_len + 1) // ratio).unsqueeze(-1)
+
+
+def valid_first(idx: torch.Tensor) -> torch.Tensor:
+    """Each row's valid indices (>= 0) ahead of its unused ones, their order kept."""
+    return idx.gather(-1, torch.sort((idx < 0).to(torch.uint8), dim=-1, stable=True).indices)
 
 
 class Compressor(nn.Module):
@@ -86,14 +101,34 @@ class Compressor(nn.Module):
                 return None
             kv = kv[:, :complete].unflatten(1, (-1, m))
             gate = gate[:, :complete].unflatten(1, (-1, m))
-            pooled = (kv * gate.softmax(dim=2)).sum(dim=2)
-        else:
+            pooled = (kv * numerics.elementwise(torch.softmax, gate, dim=2)).sum(dim=2)
+        elif x.size(1) == 1:
             state.kv_state[:, start % m] = kv[:, 0]
             state.score_state[:, start % m] = gate[:, 0]
             if (start + 1) % m:
                 return None
-            pooled = (state.kv_state * state.score_state.softmax(dim=1)).sum(dim=1, keepdim=True)
+            weights = numerics.elementwise(torch.softmax, state.score_state, dim=1)
+            pooled = (state.kv_state * weights).sum(dim=1, keepdim=True)
+        else:
+            pooled = self._extend(kv, gate, start, state)
+            if pooled is None:
+                return None
         return self.norm(pooled.to(x.dtype))
+
+    def _extend(self, kv, gate, start: int, state: GroupCache) -> torch.Tensor | None:
+        """Several tokens after position 0: the pending part of a group (in the state) goes first."""
+        m, pending = self.ratio, start % self.ratio
+        kv = torch.cat([state.kv_state[:, :pending], kv], dim=1)
+        gate = torch.cat([state.score_state[:, :pending], gate], dim=1)
+        n = kv.size(1)
+        complete = n - n % m
+        if n % m:
+            state.kv_state[:, : n % m] = kv[:, complete:]
+            state.score_state[:, : n % m] = gate[:, complete:]
+        if complete == 0:
+            return None
+        groups, weights = kv[:, :complete].unflatten(1, (-1, m)), gate[:, :complete].unflatten(1, (-1, m))
+        return (groups * numerics.elementwise(torch.softmax, weights, dim=2)).sum(dim=2)
 
 
 class Indexer(nn.Module):
@@ -121,8 +156,8 @@ class Indexer(nn.Module):
     @staticmethod
     def scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """[b, s, n_entries] bf16 scores, every step in bf16 as the reference computes them."""
-        dots = torch.einsum("bshd,btd->bsht", q, keys)
-        return (dots.relu() * weights.unsqueeze(-1)).sum(dim=2)
+        dots = numerics.einsum("bshd,btd->bsht", q, keys)
+        return numerics.wide(dots.relu() * weights.unsqueeze(-1)).sum(dim=2).to(dots.dtype)
 
 
 class Attention(nn.Module):
@@ -156,12 +191,12 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
         kv = rotate(self.kv_norm(self.wkv(x)), rows)
-        if shared.start > 0 and shared.cache.packed:
+        if shared.start > 0 and s == 1 and shared.cache.packed:
             o = self._decode_packed(x, qr, q, kv, table, shared)
         else:
             o = self._attend(x, qr, q, kv, table, shared)
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
+        o = numerics.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
         return self.wo_b(o.flatten(2))
 
     def _attend(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
@@ -206,8 +241,23 @@ class Attention(nn.Module):
                 cache.windows[self.spec.layer_id].write(kept % self.window, kv[:, kept])
             return fp8_qdq(kv), window_indices(s, self.window).int().expand(b, -1, -1)
         ring = cache.windows[self.spec.layer_id]
-        ring.write(slice(start % self.window, start % self.window + 1), kv)
-        return ring.read(), ring_indices(start, self.window).int().expand(b, -1, -1)
+        if s == 1:
+            ring.write(slice(start % self.window, start % self.window + 1), kv)
+            return ring.read(), ring_indices(start, self.window).int().expand(b, -1, -1)
+        return self._window_extend(kv, ring, shared)
+
+    def _window_extend(self, kv: torch.Tensor, ring, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several queries after position 0: the ring's history (positions from the window floor
+        on) and this forward's rows; each query sees positions max(floor, p-W+1)..p."""
+        b, s, start, w = kv.size(0), kv.size(1), shared.start, self.window
+        first = max(shared.window_floor, start - w)
+        history = torch.arange(first, start)
+        values = torch.cat([ring.read()[:, history % w], fp8_qdq(kv)], dim=1)
+        kept = torch.arange(max(0, s - w), s)
+        ring.write((start + kept) % w, kv[:, kept])
+        positions = (start + torch.arange(s)).unsqueeze(1) - w + 1 + torch.arange(w)
+        idx = torch.where(positions >= max(first, 0), positions - first, -1)
+        return values, valid_first(idx).int().expand(b, -1, -1)
 
     def _global_branch(self, x, qr, table, shared: SharedAttention) -> torch.Tensor:
         """The entry ids [b, s, k] of the group's global KV each query attends to (-1 unused)."""
@@ -222,8 +272,11 @@ class Attention(nn.Module):
         """Main-KV values to attend over and each query's positions in them. A forward from position
         0 has the group's entries in hand; a decode step gathers only its Top-k from the cache."""
         source = shared.main_kv[self.spec.kv_owner]
+        total = (shared.start + entry_idx.size(1)) // self.spec.ratio
         if shared.start == 0:
-            return source[:, : (shared.start + entry_idx.size(1)) // self.spec.ratio], entry_idx
+            return source[:, :total], entry_idx
+        if entry_idx.size(1) > 1:
+            return source.read(slice(0, total)), entry_idx
         k = entry_idx.size(-1)
         local = torch.where(entry_idx >= 0, torch.arange(k, dtype=entry_idx.dtype), -1)
         return source.gather(entry_idx[:, 0]), local
@@ -270,7 +323,7 @@ class Attention(nn.Module):
         if start == 0:
             return self.indexer.scores(q, weights, shared.index_k[owner][:, :total])
         store = shared.cache.groups[owner].index_k
-        if not shared.cache.packed:
+        if not shared.cache.packed or s > 1:
             return self.indexer.scores(q, weights, store.read(slice(0, total)))
         keys = store.data[:, :total]
         if not self.spec.candidate_consumer:
@@ -287,20 +340,20 @@ class Attention(nn.Module):
         if total == 0:
             return torch.empty(x.size(0), s, 0, dtype=torch.int32)
         scores = self._scores(x, qr, table, shared, total)
-        if start == 0:
-            visible = visible_entries(s, spec.ratio)
-            scores = scores.masked_fill(torch.arange(total) >= visible, -torch.inf)
-        else:
+        if s == 1 and start > 0:
             visible = total
+        else:
+            visible = visible_entries(s, spec.ratio, start)
+            scores = scores.masked_fill(torch.arange(total) >= visible, -torch.inf)
         if spec.candidate_source:
             shared.candidates = select_candidate_blocks(scores, visible, self.candidate_blocks, self.candidate_size)
             _record(shared, spec.layer_id, "candidates", shared.candidates)
         elif spec.candidate_consumer:
             scores = scores.masked_fill(~shared.candidates, -torch.inf)
         _record(shared, spec.layer_id, "index_score", scores)
-        k = min(self.indexer.topk, total)
-        picked = topk_entries(scores, k)
-        return torch.where(picked < visible, picked, -1).int()
+        picked = topk_entries(scores, min(self.indexer.topk, total))
+        picked = torch.where(picked < visible, picked, -1)
+        return valid_first(F.pad(picked, (0, self.indexer.topk - picked.size(-1)), value=-1)).int()
 
 
 def _record(shared: SharedAttention, layer: int, name: str, value: torch.Tensor) -> None:

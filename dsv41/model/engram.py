@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dsv41.config import TextConfig
+from dsv41.model import numerics
 from dsv41.model.layers import Linear, Storage
 
 # A token that is exactly one space is protected by this private-use character while the
@@ -184,10 +185,12 @@ class Engram(nn.Module):
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))
         h = x.float()
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        rstd = (numerics.elementwise(torch.rsqrt, numerics.wide(h).square().mean(-1).float() + self.eps)
+                * numerics.elementwise(torch.rsqrt, numerics.wide(key).square().mean(-1).float() + self.eps))
         weight = self.q_weight.float() * self.k_weight.float()
-        dot = (h * weight * key).sum(-1) * rstd * self.dim**-0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        dot = numerics.wide(h * weight * key).sum(-1).float() * rstd * self.dim**-0.5
+        signed_root = torch.copysign(numerics.elementwise(torch.sqrt, dot.abs().clamp_min(1e-6)), dot)
+        gate = numerics.elementwise(torch.sigmoid, signed_root)
         if live is not None:
             gate = gate.masked_fill(~live.unsqueeze(-1), 0)
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv41.model import numerics
 from dsv41.model.quant import block_scaled_matmul, fp8_quant, unpack_e2m1
 
 BLOCK = 32  # FP8 weight blocks are 32x32; FP4 expert scales and activation scales cover 32 along K
@@ -65,7 +66,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
-            return F.linear(x, self.weight)
+            return numerics.linear(x, self.weight)
         values, scale = self.dequantized()
         q, q_scale = fp8_quant(x, BLOCK)
         flat = q.reshape(-1, self.in_features).float()
@@ -81,7 +82,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        mean_square = numerics.wide(xf).square().mean(-1, keepdim=True).float()
+        xf = xf * numerics.elementwise(torch.rsqrt, mean_square + self.eps)
         return (self.weight * xf).to(x.dtype)
 
 

@@ -8,7 +8,8 @@ one-step shift is what lets the real kernels fuse update, collapse and predictio
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from dsv41.model import numerics
 
 
 def sinkhorn_split(
@@ -17,10 +18,10 @@ def sinkhorn_split(
     """Split raw mixes [..., (2+hc)*hc] into pre [..., hc], post [..., hc] and a doubly stochastic
     comb [..., hc, hc] (rows i = source copy, cols j = destination copy), all fp32."""
     m, scale, base = mixes.float(), scale.float(), base.float()
-    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    pre = numerics.elementwise(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * numerics.elementwise(torch.sigmoid, m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
-    comb = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    comb = numerics.elementwise(torch.exp, logits - logits.amax(dim=-1, keepdim=True))
     comb = comb / comb.sum(dim=-1, keepdim=True) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -36,18 +37,18 @@ def predict(
     """Coefficients from the stream x [b, s, hc, d]: one RMS statistic over all hc*d values of a
     token, projected by fn [(2+hc)*hc, hc*d] (norm weights are folded into fn), then split."""
     flat = x.flatten(2).float()
-    rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return sinkhorn_split(F.linear(flat, fn) * rsqrt, scale, base, hc, iters, hc_eps)
+    rsqrt = numerics.elementwise(torch.rsqrt, numerics.wide(flat).square().mean(-1, keepdim=True).float() + norm_eps)
+    return sinkhorn_split(numerics.linear(flat, fn) * rsqrt, scale, base, hc, iters, hc_eps)
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """[b, s, hc, d] weighted by pre [b, s, hc] -> [b, s, d], summed in fp32."""
-    return torch.sum(pre.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+    return torch.sum(numerics.wide(pre.unsqueeze(-1) * x.float()), dim=2).to(x.dtype)
 
 
 def expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New stream copy j = post_j * out + sum_i comb[i, j] * residual_i, stored in out's dtype."""
-    mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
+    mixed = torch.sum(numerics.wide(comb.unsqueeze(-1) * residual.unsqueeze(-2)), dim=2).float()
     return (post.unsqueeze(-1) * out.unsqueeze(-2) + mixed).type_as(out)
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv41.model import numerics
 from dsv41.model.layers import Linear, Storage
 
 
@@ -24,12 +25,12 @@ class Gate(nn.Module):
                                      requires_grad=False) if with_vision_bias else None)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = numerics.linear(x.float(), self.weight.float())
         if self.scoring == "softmax":
-            return logits.softmax(dim=-1)
+            return numerics.elementwise(torch.softmax, logits, dim=-1)
         if self.scoring == "sigmoid":
-            return logits.sigmoid()
-        return F.softplus(logits).sqrt()
+            return numerics.elementwise(torch.sigmoid, logits)
+        return numerics.elementwise(torch.sqrt, numerics.elementwise(F.softplus, logits))
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, dim] -> (weights [n, topk] fp32, expert ids [n, topk])."""
@@ -60,7 +61,7 @@ class Expert(nn.Module):
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)
-        hidden = F.silu(gate) * up
+        hidden = numerics.elementwise(F.silu, gate) * up
         if weights is not None:
             hidden = weights * hidden
         return self.w2(hidden.to(x.dtype))

@@ -25,6 +25,7 @@ from dsv41.kernels.codecs import (
     pow2_scale_up,
     unpack_nibbles,
 )
+from dsv41.model import numerics
 
 FP8_MAX, FP4_MAX = E4M3_MAX, E2M1_MAX
 
@@ -103,7 +104,7 @@ def block_scaled_matmul(
     """
     m, k = a.shape
     n, nk = w.size(0), k // block
-    partials = torch.bmm(a.view(m, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
+    partials = numerics.bmm(a.view(m, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     for i in range(nk):
         acc += partials[i] * a_scale[:, i : i + 1] * w_scale[:, i].unsqueeze(0)

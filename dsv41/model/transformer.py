@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dsv41.config import ModelConfig, Part
-from dsv41.model import mhc
+from dsv41.model import mhc, numerics
 from dsv41.model.attention import SharedAttention
 from dsv41.model.blocks import Block
 from dsv41.model.cache import DecodeCache
@@ -76,10 +76,10 @@ class Transformer(nn.Module):
                 if trace is not None:
                     trace.put(spec.layer_id, "engram_out", x)
             if spec.dspark_target:
-                targets.append(x.mean(dim=2))
+                targets.append(numerics.wide(x).mean(dim=2).to(x.dtype))
             x, pre_mix = layer(x, pre_mix, table_for(t, spec.rope, n_positions), shared, image_mask)
         hidden = self.norm(mhc.collapse(x, pre_mix))
-        logits = torch.nn.functional.linear(hidden.float(), self.head.weight)
+        logits = numerics.linear(hidden.float(), self.head.weight)
         if cache is not None:
             cache.length += s
         if trace is not None:
@@ -91,8 +91,6 @@ class Transformer(nn.Module):
     def _check_span(self, start: int, s: int, cache: DecodeCache | None) -> None:
         if s == 0:
             raise ValueError("no tokens to run")
-        if cache is not None and start > 0 and s != 1:
-            raise ValueError(f"a filled cache takes one token per forward, got {s}")
         limit = self.config.text_config.max_position_embeddings if cache is None else cache.capacity
         if start + s > limit:
             raise ValueError(f"positions up to {start + s} exceed the limit of {limit} tokens")

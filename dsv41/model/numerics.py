@@ -1,0 +1,80 @@
+"""Official numerics by default; shape-stable numerics on request.
+
+The official op sequence is deterministic but not shape-invariant: BLAS picks a different
+summation order for a one-row GEMM (GEMV) than for many rows, and torch's reductions pick theirs
+by shape, so the same position computed in a 1-token chunk and in a 37-token chunk can differ in
+the last bit. That is what `dsv41 parity` must reproduce, so it stays the default.
+
+Inside `stable_numerics()` every matmul becomes exact float64 products summed along a contiguous
+last dimension (an order fixed by the reduced length alone), and reductions accumulate in
+float64; each result is rounded once to the dtype the official code produces. Results then
+depend only on the values, not on how many rows or which chunk they came in: chunked prefill,
+replay, verification and the oracle can be compared exactly. It is slower and uses more memory:
+a tool for tests and measurements on small models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+_stable = False
+
+
+@contextmanager
+def stable_numerics(on: bool = True) -> Iterator[None]:
+    global _stable
+    previous, _stable = _stable, on
+    try:
+        yield
+    finally:
+        _stable = previous
+
+
+def is_stable() -> bool:
+    return _stable
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """The tensor to accumulate a reduction in: itself, or float64 in stable mode."""
+    return t.double() if _stable else t
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T."""
+    if not _stable:
+        return F.linear(x, w)
+    return _contract_last(x.double().unsqueeze(-2) * w.double(), torch.promote_types(x.dtype, w.dtype))
+
+
+def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A two-operand einsum that contracts exactly one index."""
+    if not _stable:
+        return torch.einsum(equation, a, b)
+    inputs, out = equation.split("->")
+    contracted = (set(inputs) - set(out) - {","}).pop()
+    products = torch.einsum(f"{inputs}->{out}{contracted}", a.double(), b.double())  # exact, no sums
+    return _contract_last(products, torch.promote_types(a.dtype, b.dtype))
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b; in stable mode exact (used for 32-wide blocks of FP8 products)."""
+    return torch.bmm(a, b) if not _stable else torch.bmm(a.double(), b.double()).to(a.dtype)
+
+
+def _contract_last(products: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sum over the last, contiguous dimension: its order depends only on that length, not on how
+    many rows there are (a GEMM's does)."""
+    return products.contiguous().sum(-1).to(dtype)
+
+
+def elementwise(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """fn(x) for a transcendental fn (exp, sigmoid, rsqrt, silu, softmax, ...). Torch computes them
+    with vector code for most elements and scalar code for a tensor's tail, whose results can
+    differ in the last bit, so in stable mode they run in float64 and round once."""
+    if not _stable:
+        return fn(x, *args, **kwargs)
+    return fn(x.double(), *args, **kwargs).to(x.dtype)
