@@ -34,12 +34,14 @@ def test_filling_a_cache_does_not_change_the_forward(micro, rng):
         assert torch.equal(cached, micro(ids).logits)
 
 
-def test_a_filled_cache_takes_one_token_and_respects_its_capacity(micro):
+def test_a_cache_refuses_positions_beyond_its_capacity_and_loses_nothing(micro):
     cache = DecodeCache.allocate(micro.config, 1, 4)
     with torch.inference_mode():
         micro(torch.tensor([[5, 6, 7]]), cache=cache)
-        with pytest.raises(ValueError, match="one token per forward, got 2"):
+        with pytest.raises(ValueError, match="positions up to 5 exceed the limit of 4 tokens"):
             micro(torch.tensor([[5, 6]]), cache=cache)
+        assert cache.length == 3
         micro(torch.tensor([[8]]), cache=cache)
         with pytest.raises(ValueError, match="exceed the limit of 4 tokens"):
             micro(torch.tensor([[9]]), cache=cache)
+    assert cache.length == 4
