@@ -34,10 +34,13 @@ class SharedAttention:
     start: int = 0
     cache: DecodeCache | None = None
     window_floor: int = 0  # SWA positions below this are not attended (bounded replay starts here)
+    emit_entries: bool = True  # False when the group's entries already exist (CED projected them)
+    rows_start: dict[int, int] = field(default_factory=dict)  # position of row 0 of topk[layer]
     main_kv: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, head_dim]
     index_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, index_head_dim]
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, s, k] entry ids, -1 = unused
     candidates: torch.Tensor | None = None  # [b, s, n_entries] bool pool of the candidate source
+    candidate_source: int = -1
     trace: Trace | None = None
 
 
@@ -263,10 +266,28 @@ class Attention(nn.Module):
         """The entry ids [b, s, k] of the group's global KV each query attends to (-1 unused)."""
         spec = self.spec
         if spec.mode is Mode.FULL:
-            self._emit_entries(x, table, shared)
+            if shared.emit_entries:
+                self._emit_entries(x, table, shared)
+            else:
+                self._use_existing_entries(x, shared)
         if self.indexer is not None:
             shared.topk[spec.layer_id] = self._select(x, qr, table, shared)
-        return shared.topk[spec.topk_producer]
+            shared.rows_start[spec.layer_id] = shared.start
+        # a producer may have run on earlier positions too (the exact prefill's staircase)
+        return shared.topk[spec.topk_producer][:, shared.start - shared.rows_start[spec.topk_producer] :]
+
+    def project_entries(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention) -> None:
+        """Only this Full layer's compressor and index keys over x (after attn_norm): how CED builds
+        the decoder's global KV from the encoder output, without running the layer."""
+        self._emit_entries(x, table, shared)
+
+    def _use_existing_entries(self, x, shared: SharedAttention) -> None:
+        group, total = shared.cache.groups[self.spec.layer_id], (shared.start + x.size(1)) // self.spec.ratio
+        if shared.start == 0:
+            shared.main_kv[self.spec.layer_id] = group.main_kv.read(slice(0, total))
+            shared.index_k[self.spec.layer_id] = group.index_k.read(slice(0, total))
+        else:
+            shared.main_kv[self.spec.layer_id], shared.index_k[self.spec.layer_id] = group.main_kv, group.index_k
 
     def _entries(self, entry_idx: torch.Tensor, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """Main-KV values to attend over and each query's positions in them. A forward from position
@@ -328,7 +349,7 @@ class Attention(nn.Module):
         keys = store.data[:, :total]
         if not self.spec.candidate_consumer:
             return dispatch.index_scores(q[:, 0], weights[:, 0], keys).unsqueeze(1)
-        pool = shared.candidates[:, 0]
+        pool = shared.candidates[:, -1]
         ids = torch.where(pool, torch.arange(total), total).sort(dim=-1).values[:, : int(pool.sum(-1).max())]
         pool_scores = dispatch.index_scores(q[:, 0], weights[:, 0], keys, ids.clamp(max=total - 1))
         scores = torch.full((x.size(0), total + 1), -torch.inf, dtype=pool_scores.dtype)
@@ -347,9 +368,11 @@ class Attention(nn.Module):
             scores = scores.masked_fill(torch.arange(total) >= visible, -torch.inf)
         if spec.candidate_source:
             shared.candidates = select_candidate_blocks(scores, visible, self.candidate_blocks, self.candidate_size)
+            shared.candidate_source = spec.layer_id
             _record(shared, spec.layer_id, "candidates", shared.candidates)
         elif spec.candidate_consumer:
-            scores = scores.masked_fill(~shared.candidates, -torch.inf)
+            pool = shared.candidates[:, shared.start - shared.rows_start[shared.candidate_source] :]
+            scores = scores.masked_fill(~pool, -torch.inf)
         _record(shared, spec.layer_id, "index_score", scores)
         picked = topk_entries(scores, min(self.indexer.topk, total))
         picked = torch.where(picked < visible, picked, -1)

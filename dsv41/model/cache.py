@@ -102,3 +102,31 @@ class DecodeCache:
         return cls(capacity, windows, groups, torch.zeros(batch, capacity, dtype=torch.long),
                    torch.ones(batch, capacity, dtype=torch.bool), packed=packed,
                    official_decode_slots=official_decode_slots)
+
+
+@dataclass
+class CacheCheckpoint:
+    """What a forward can overwrite: the rings, the compressor states, the position counters.
+    Entries past the checkpointed length are simply dropped by restoring the length."""
+
+    length: int
+    index_k_slot: int | None
+    rings: dict[int, torch.Tensor]
+    states: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def checkpoint(cache: DecodeCache) -> CacheCheckpoint:
+    states = {layer: (g.kv_state.clone(), g.score_state.clone()) for layer, g in cache.groups.items()
+              if g.kv_state is not None}
+    return CacheCheckpoint(cache.length, cache.index_k_slot, {k: w.data.clone() for k, w in cache.windows.items()},
+                           states)
+
+
+def restore(cache: DecodeCache, saved: CacheCheckpoint) -> None:
+    """Return the cache to `saved` exactly (rolling back tokens that were verified and rejected)."""
+    cache.length, cache.index_k_slot = saved.length, saved.index_k_slot
+    for layer, ring in saved.rings.items():
+        cache.windows[layer].data.copy_(ring)
+    for layer, (kv, score) in saved.states.items():
+        cache.groups[layer].kv_state.copy_(kv)
+        cache.groups[layer].score_state.copy_(score)

@@ -54,32 +54,19 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """Run ids [b, s] through every layer.
 
-        Without a cache: positions 0..s-1, nothing kept (the oracle). With a cache: an empty one is
-        filled by this forward (any s); a filled one takes one new token per call (s = 1) at the next
-        position. image_mask [b, s] marks image-span tokens (VL routing bias, dead for Engram);
+        Without a cache: positions 0..s-1, nothing kept (the oracle). With a cache: the tokens go at
+        the cache's next positions (a prompt, a chunk of one, a decode step or tokens to verify).
+        image_mask [b, s] marks image-span tokens (VL routing bias, dead for Engram);
         `trace` receives per-layer intermediates.
         """
-        t = self.config.text_config
         start, s = (0 if cache is None else cache.length), ids.size(1)
         self._check_span(start, s, cache)
-        live = None if image_mask is None else ~image_mask
-        rows = self._engram_rows(ids, live, start, cache)
-        x = self.embed_inputs(ids).unsqueeze(2).repeat(1, 1, t.hc_mult, 1)
-        pre_mix = mhc.first_pre_mix(x, t.hc_mult)
+        x, pre_mix, rows, live = self.begin(ids, start, cache, image_mask)
         shared = SharedAttention(start=start, cache=cache, trace=trace)
-        n_positions = start + s if cache is None else cache.capacity
-        targets = []
+        targets: list[torch.Tensor] = []
         for layer in self.layers:
-            spec = layer.spec
-            if layer.engram is not None:
-                x = layer.engram(x, rows[:, :, layer.engram.table_index], live)
-                if trace is not None:
-                    trace.put(spec.layer_id, "engram_out", x)
-            if spec.dspark_target:
-                targets.append(numerics.wide(x).mean(dim=2).to(x.dtype))
-            x, pre_mix = layer(x, pre_mix, table_for(t, spec.rope, n_positions), shared, image_mask)
-        hidden = self.norm(mhc.collapse(x, pre_mix))
-        logits = numerics.linear(hidden.float(), self.head.weight)
+            x, pre_mix = self.run_layer(layer, x, pre_mix, shared, rows, live, image_mask, targets)
+        hidden, logits = self.finish(x, pre_mix)
         if cache is not None:
             cache.length += s
         if trace is not None:
@@ -87,6 +74,33 @@ class Transformer(nn.Module):
                 trace.put(None, "engram_hash_ids", rows)
             trace.put(None, "final_normed_hidden", hidden)
         return ForwardOutput(logits, hidden, torch.cat(targets, dim=-1) if targets else None)
+
+    def begin(self, ids: torch.Tensor, start: int, cache: DecodeCache | None, image_mask: torch.Tensor | None = None):
+        """The 4 replicated streams of ids at positions start.., the first pre-mix, Engram rows and
+        the live-token mask."""
+        hc = self.config.text_config.hc_mult
+        live = None if image_mask is None else ~image_mask
+        rows = self._engram_rows(ids, live, start, cache)
+        x = self.embed_inputs(ids).unsqueeze(2).repeat(1, 1, hc, 1)
+        return x, mhc.first_pre_mix(x, hc), rows, live
+
+    def run_layer(self, layer, x, pre_mix, shared: SharedAttention, rows=None, live=None, image_mask=None,
+                  targets: list | None = None):
+        """One block (with its Engram) on streams x at positions shared.start.."""
+        t, spec = self.config.text_config, layer.spec
+        if layer.engram is not None:
+            x = layer.engram(x, rows[:, :, layer.engram.table_index], live)
+            if shared.trace is not None:
+                shared.trace.put(spec.layer_id, "engram_out", x)
+        if spec.dspark_target and targets is not None:
+            targets.append(numerics.wide(x).mean(dim=2).to(x.dtype))
+        n_positions = shared.start + x.size(1) if shared.cache is None else shared.cache.capacity
+        return layer(x, pre_mix, table_for(t, spec.rope, n_positions), shared, image_mask)
+
+    def finish(self, x: torch.Tensor, pre_mix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collapse with the last pre-mix, final norm, head: (hidden, fp32 logits)."""
+        hidden = self.norm(mhc.collapse(x, pre_mix))
+        return hidden, numerics.linear(hidden.float(), self.head.weight)
 
     def _check_span(self, start: int, s: int, cache: DecodeCache | None) -> None:
         if s == 0:

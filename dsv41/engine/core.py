@@ -1,0 +1,140 @@
+"""Prefill in three modes, then decode and verify, over one sequence's caches.
+
+- `full`: every prompt token through all layers (the reference's behaviour, chunked).
+- `ced` (default): every prompt token through the encoder only; the decoder's global KV is
+  projected from the encoder output by the first decoder layer's compressor (CED); then bounded
+  replay of the last W tokens through the decoder, each position seeing SWA positions
+  [max(s, i-W+1), i] from the replay start s, to rebuild the decoder's SWA rings.
+- `exact`: like `ced`, but the decoder runs on the staircase of positions that the last W tokens'
+  SWA state really depends on, so the result equals `full`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv41.config import Part
+from dsv41.model import mhc
+from dsv41.model.attention import SharedAttention
+from dsv41.model.cache import DecodeCache, checkpoint, restore
+from dsv41.model.rope import table_for
+from dsv41.model.transformer import Transformer
+
+PREFILL_MODES = ("ced", "exact", "full")
+
+
+@dataclass
+class Counters:
+    encoder_layer_tokens: int = 0
+    decoder_layer_tokens: int = 0
+    replayed_layer_tokens: int = 0  # decoder layer-tokens spent rebuilding SWA state
+
+
+@dataclass
+class Sequence:
+    cache: DecodeCache
+    counters: Counters = field(default_factory=Counters)
+
+
+class InferenceCore:
+    def __init__(self, model: Transformer, chunk_size: int = 512):
+        if chunk_size < 1:
+            raise ValueError(f"chunk size must be at least 1, got {chunk_size}")
+        self.model, self.chunk_size = model, chunk_size
+        plan = model.plan
+        self.encoder = [layer for layer in model.layers if layer.spec.part is Part.ENCODER]
+        self.decoder = [layer for layer in model.layers if layer.spec.part is Part.DECODER]
+        self.window = model.config.text_config.sliding_window
+        assert self.decoder[0].spec.layer_id == plan.decoder_start
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], mode: str = "ced", capacity: int | None = None,
+                packed: bool = False) -> tuple[Sequence, torch.Tensor]:
+        """Process a prompt; returns the sequence state and the logits [vocab] at its last token."""
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"unknown prefill mode {mode!r}; use one of {PREFILL_MODES}")
+        if not ids:
+            raise ValueError("the prompt must hold at least one token")
+        capacity = capacity or len(ids) + 1024
+        limit = self.model.config.text_config.max_position_embeddings
+        if len(ids) > min(capacity, limit):
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context limit of {min(capacity, limit)}")
+        seq = Sequence(DecodeCache.allocate(self.model.config, 1, min(capacity, limit), packed=packed))
+        tokens = torch.tensor([ids])
+        if mode == "full":
+            return seq, self._prefill_full(seq, tokens)
+        return seq, self._prefill_ced(seq, tokens, exact=mode == "exact")
+
+    def _chunks(self, n: int):
+        for start in range(0, n, self.chunk_size):
+            yield start, min(n, start + self.chunk_size)
+
+    def _prefill_full(self, seq: Sequence, tokens: torch.Tensor) -> torch.Tensor:
+        for start, end in self._chunks(tokens.size(1)):
+            logits = self.model(tokens[:, start:end], cache=seq.cache).logits
+        n = tokens.size(1)
+        seq.counters.encoder_layer_tokens += n * len(self.encoder)
+        seq.counters.decoder_layer_tokens += n * len(self.decoder)
+        return logits[0, -1]
+
+    def _prefill_ced(self, seq: Sequence, tokens: torch.Tensor, exact: bool) -> torch.Tensor:
+        n, cache, first_decoder = tokens.size(1), seq.cache, self.decoder[0]
+        starts = self._decoder_starts(n, exact)
+        keep_from = starts[0]
+        kept_x, kept_pre = [], []
+        for start, end in self._chunks(n):
+            x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache)
+            shared = SharedAttention(start=start, cache=cache)
+            for layer in self.encoder:
+                x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live)
+            # CED: the decoder's global KV, projected from the encoder output
+            x20 = first_decoder.attn_norm(mhc.collapse(x, pre_mix))
+            table = table_for(self.model.config.text_config, first_decoder.spec.rope, cache.capacity)
+            first_decoder.attn.project_entries(x20, table, shared)
+            if end > keep_from:
+                cut = max(0, keep_from - start)
+                kept_x.append(x[:, cut:])
+                kept_pre.append(pre_mix[:, cut:])
+        seq.counters.encoder_layer_tokens += n * len(self.encoder)
+        x, pre_mix = torch.cat(kept_x, dim=1), torch.cat(kept_pre, dim=1)
+        shared = SharedAttention(cache=cache, emit_entries=False)
+        for layer, start in zip(self.decoder, starts, strict=True):
+            drop = start - (n - x.size(1))
+            x, pre_mix = x[:, drop:], pre_mix[:, drop:]
+            shared.start = shared.window_floor = start
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared)
+            seq.counters.decoder_layer_tokens += n - start
+            seq.counters.replayed_layer_tokens += n - start
+        cache.length = n
+        return self.model.finish(x[:, -1:], pre_mix[:, -1:])[1][0, -1]
+
+    def _decoder_starts(self, n: int, exact: bool) -> list[int]:
+        """First position each decoder layer runs on. Bounded replay: the last W tokens everywhere.
+        Exact: the last layer needs exact inputs on the last W positions (its SWA ring); a layer's
+        output at p is exact when its inputs are exact on [p-W+1, p], so each layer below runs
+        W-1 positions further back than the one above (layer 20+j from n - W - (19-j)(W-1))."""
+        w, depth = self.window, len(self.decoder)
+        if not exact:
+            return [max(0, n - w)] * depth
+        return [max(0, n - w - (depth - 1 - j) * (w - 1)) for j in range(depth)]
+
+    @torch.inference_mode()
+    def step(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
+        """Run 1..k new tokens through all layers (decode, or verification of drafted tokens);
+        returns their logits [k, vocab]."""
+        if not tokens:
+            raise ValueError("a step needs at least one token")
+        logits = self.model(torch.tensor([tokens]), cache=seq.cache).logits[0]
+        seq.counters.encoder_layer_tokens += len(tokens) * len(self.encoder)
+        seq.counters.decoder_layer_tokens += len(tokens) * len(self.decoder)
+        return logits
+
+    @staticmethod
+    def checkpoint(seq: Sequence):
+        return checkpoint(seq.cache)
+
+    @staticmethod
+    def rollback(seq: Sequence, saved) -> None:
+        restore(seq.cache, saved)
