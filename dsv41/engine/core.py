@@ -132,9 +132,12 @@ class InferenceCore:
         return logits
 
     @staticmethod
+    @torch.inference_mode()
     def checkpoint(seq: Sequence):
+        """Save what the next step can overwrite, to roll rejected draft tokens back."""
         return checkpoint(seq.cache)
 
     @staticmethod
+    @torch.inference_mode()
     def rollback(seq: Sequence, saved) -> None:
         restore(seq.cache, saved)

@@ -294,7 +294,7 @@ class Attention(nn.Module):
         0 has the group's entries in hand; a decode step gathers only its Top-k from the cache."""
         source = shared.main_kv[self.spec.kv_owner]
         total = (shared.start + entry_idx.size(1)) // self.spec.ratio
-        if shared.start == 0:
+        if isinstance(source, torch.Tensor):  # entries produced in this forward from position 0
             return source[:, :total], entry_idx
         if entry_idx.size(1) > 1:
             return source.read(slice(0, total)), entry_idx

@@ -1,0 +1,123 @@
+"""The inference core against the oracle. Paths are compared in shape-stable numerics
+(`model/numerics.py`), where a position's result does not depend on its chunk, so equality is exact."""
+
+import pytest
+import torch
+
+from dsv41.engine.core import InferenceCore
+from dsv41.model.numerics import stable_numerics
+from dsv41.model.reference import random_model
+
+
+@pytest.fixture(scope="module")
+def mini():
+    return random_model("mini", seed=5)
+
+
+def _prompt(rng, n):
+    return torch.randint(3, 320, (n,), generator=rng).tolist()
+
+
+def _oracle(model, ids):
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("n", [5, 8, 23, 61])
+def test_full_and_exact_prefill_give_the_reference_logits_and_continuation(micro, rng, n):
+    core = InferenceCore(micro, chunk_size=6)
+    ids, more = _prompt(rng, n), _prompt(rng, 5)
+    with stable_numerics():
+        ref = _oracle(micro, ids + more)
+        for mode in ("full", "exact"):
+            seq, last = core.prefill(ids, mode)
+            assert torch.equal(last, ref[n - 1]), mode
+            assert torch.equal(core.step(seq, more[:2]), ref[n : n + 2]), mode
+            for i, token in enumerate(more[2:]):
+                assert torch.equal(core.step(seq, [token])[0], ref[n + 2 + i]), mode
+
+
+def test_greedy_continuations_of_full_and_exact_match_the_reference(micro, rng):
+    core = InferenceCore(micro, chunk_size=16)
+    ids = _prompt(rng, 40)
+    with stable_numerics():
+        expected, seq_ids = [], list(ids)
+        for _ in range(12):
+            seq_ids.append(int(_oracle(micro, seq_ids)[-1].argmax()))
+            expected.append(seq_ids[-1])
+        for mode in ("full", "exact"):
+            seq, logits = core.prefill(ids, mode)
+            got = []
+            for _ in range(12):
+                got.append(int(logits.argmax()))
+                logits = core.step(seq, [got[-1]])[0]
+            assert got == expected, mode
+
+
+def test_ced_equals_the_reference_when_the_prompt_fits_the_window(micro, rng):
+    ids = _prompt(rng, micro.config.text_config.sliding_window)
+    with stable_numerics():
+        seq, last = InferenceCore(micro, chunk_size=3).prefill(ids, "ced")
+        assert torch.equal(last, _oracle(micro, ids)[-1])
+
+
+@pytest.mark.slow  # shape-stable numerics on mini take about a minute per 140-token forward
+def test_mini_prefill_past_the_window_is_exact_in_chunks_of_127_128_129(mini, rng):
+    ids = _prompt(rng, 140)
+    with stable_numerics():
+        ref = _oracle(mini, ids)[-1]
+        for chunk in (127, 128, 129):
+            _, last = InferenceCore(mini, chunk_size=chunk).prefill(ids, "full")
+            assert torch.equal(last, ref), chunk
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 8, 9])
+def test_chunked_prefill_equals_one_shot(micro, rng, chunk):
+    ids = _prompt(rng, 29)  # odd: a half ratio-2 pair is pending at most chunk boundaries
+    with stable_numerics():
+        ref = _oracle(micro, ids)[-1]
+        _, last = InferenceCore(micro, chunk_size=chunk).prefill(ids, "full")
+        assert torch.equal(last, ref)
+
+
+def test_ced_counts_w_decoder_layer_tokens_per_layer_and_exact_the_staircase(mini, rng):
+    ids = _prompt(rng, 300)
+    core = InferenceCore(mini, chunk_size=150)
+    seq, _ = core.prefill(ids, "ced")
+    assert seq.counters.decoder_layer_tokens == 128 * 20 == seq.counters.replayed_layer_tokens
+    assert seq.counters.encoder_layer_tokens == 300 * 20
+    seq, _ = core.prefill(ids, "exact")
+    # layer 20 + j runs from max(0, n - W - (19 - j)(W - 1)): here every layer from 0 down to
+    # position 300 - 128 - 127 = 45 at layer 38
+    starts = [max(0, 300 - 128 - (19 - j) * 127) for j in range(20)]
+    assert seq.counters.decoder_layer_tokens == sum(300 - s for s in starts)
+
+
+def test_verifying_k_tokens_equals_k_single_steps_and_rollback_forgets_them(micro, rng):
+    core = InferenceCore(micro, chunk_size=8)
+    ids, draft = _prompt(rng, 21), _prompt(rng, 4)
+    with stable_numerics():
+        seq_a, _ = core.prefill(ids, "full")
+        together = core.step(seq_a, draft)
+        seq_b, _ = core.prefill(ids, "full")
+        one_by_one = torch.stack([core.step(seq_b, [t])[0] for t in draft])
+        assert torch.equal(together, one_by_one)
+        seq, _ = core.prefill(ids, "full")
+        saved = core.checkpoint(seq)
+        core.step(seq, draft)  # verified, then all rejected
+        core.rollback(seq, saved)
+        after_rollback = core.step(seq, [draft[0] ^ 1, 7, 9])
+        fresh, _ = core.prefill(ids, "full")
+        assert torch.equal(after_rollback, core.step(fresh, [draft[0] ^ 1, 7, 9]))
+
+
+def test_bad_requests_are_refused(micro):
+    core = InferenceCore(micro)
+    with pytest.raises(ValueError, match="unknown prefill mode 'fast'"):
+        core.prefill([1, 2], "fast")
+    with pytest.raises(ValueError, match="at least one token"):
+        core.prefill([], "ced")
+    with pytest.raises(ValueError, match="exceeds the context limit of 8"):
+        core.prefill(list(range(3, 12)), "ced", capacity=8)
+    with pytest.raises(ValueError, match="chunk size must be at least 1"):
+        InferenceCore(micro, chunk_size=0)
