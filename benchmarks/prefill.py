@@ -1,0 +1,76 @@
+"""CED prefill against full prefill on `mini`: time and counted layer-tokens in one run.
+
+For each prompt length N: one `full` prefill (every token through all 40 layers) and one `ced`
+prefill (all tokens through the 20 encoder layers, decoder KV projected, the last W = 128 tokens
+replayed through the 20 decoder layers). The counted work ratio must equal 1/2 + r/(2N) with
+r = min(N, W) exactly. Prints a table, writes benchmarks/results/prefill.json and prefill.png.
+Usage: python benchmarks/prefill.py [--lengths 1024 2048 4096] [--chunk 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dsv41.engine.core import InferenceCore
+from dsv41.model.reference import random_model
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def measure(core: InferenceCore, ids: list[int], mode: str) -> tuple[float, int]:
+    start = time.perf_counter()
+    seq, _ = core.prefill(ids, mode)
+    c = seq.counters
+    return time.perf_counter() - start, c.encoder_layer_tokens + c.decoder_layer_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--chunk", type=int, default=512)
+    args = parser.parse_args()
+    model = random_model("mini", seed=0)
+    core = InferenceCore(model, chunk_size=args.chunk)
+    window = model.config.text_config.sliding_window
+    rows = []
+    print(f"{'N':>7} {'full s':>8} {'ced s':>8} {'time ratio':>10} {'counted ratio':>13} {'1/2 + r/2N':>10}")
+    for n in args.lengths:
+        ids = torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        full_s, full_work = measure(core, ids, "full")
+        ced_s, ced_work = measure(core, ids, "ced")
+        expected = 0.5 + min(n, window) / (2 * n)
+        row = {"n": n, "full_s": full_s, "ced_s": ced_s, "time_ratio": ced_s / full_s,
+               "full_layer_tokens": full_work, "ced_layer_tokens": ced_work, "counted_ratio": ced_work / full_work,
+               "predicted_ratio": expected}
+        rows.append(row)
+        print(f"{n:>7} {full_s:>8.1f} {ced_s:>8.1f} {row['time_ratio']:>10.3f} {row['counted_ratio']:>13.4f} "
+              f"{expected:>10.4f}", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "prefill.json").write_text(json.dumps({"chunk": args.chunk, "rows": rows}, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ns = [r["n"] for r in rows]
+        ax.plot(ns, [r["time_ratio"] for r in rows], "o-", label="measured time ratio (ced / full)")
+        ax.plot(ns, [r["counted_ratio"] for r in rows], "s--", label="counted layer-token ratio")
+        ax.axhline(0.5, color="gray", lw=0.8)
+        ax.set(xscale="log", xlabel="prompt tokens N", ylabel="ced / full", title="CED prefill on mini")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "prefill.png", dpi=110)
+        print(f"wrote {RESULTS / 'prefill.json'} and prefill.png")
+    except ImportError:
+        print(f"wrote {RESULTS / 'prefill.json'}; no plot: matplotlib is missing (pip install -e '.[bench]')")
+
+
+if __name__ == "__main__":
+    main()
