@@ -53,3 +53,18 @@ def test_kv_budget_matches_the_plan_and_prints_the_v4_comparison():
     assert re.search(r"1048576\s+754,974,720\s+178,257,920\s+933,232,640\s+0\.869", out)
     mini = CliRunner().invoke(cli, ["kv-budget", "--config", "mini"]).stdout
     assert "global KV per token: 890 B" in mini
+
+
+def test_flops_grow_only_through_the_indexers():
+    from dsv41.config import load_config
+    from dsv41.engine.flops import decode_token_flops
+
+    config = load_config("official")
+    short, long = decode_token_flops(config, 4096), decode_token_flops(config, 1_048_576)
+    changed = {p for p in long.parts if abs(long.parts[p] - short.parts[p]) > 1e-6 * long.parts[p]}
+    assert changed == {"indexer scoring (Full)", "indexer scoring (Reindex, pool)"}
+    # Full layers score every visible entry: 3 encoder layers at ratio 2 and layer 20 at ratio 1
+    assert long.parts["indexer scoring (Full)"] == 2 * 0.25 * 32 * 128 * (3 * 524288 + 1048576)
+    result = CliRunner().invoke(cli, ["flops", "--context", "4096,1048576"])
+    assert result.exit_code == 0 and "+31.5%" in result.stdout and "about +1/4" in result.stdout
+    assert CliRunner().invoke(cli, ["flops", "--context", "4k"]).exit_code == 2

@@ -54,6 +54,37 @@ def kv_budget(config_name: str, contexts: tuple[int, ...]) -> None:
 
 
 @cli.command()
+@click.option("--config", "config_name", default="official", show_default=True, help=CONFIG_HELP)
+@click.option("--context", "contexts", default="4096,1048576", show_default=True,
+              help="Comma-separated context lengths.")
+def flops(config_name: str, contexts: str) -> None:
+    """Precision-weighted FLOPs of one decode token (BF16 1, FP8 0.5, FP4 0.25) by part.
+
+    The last column compares each context with the first, next to the technical report's
+    "about +1/4 from 4K to 1M".
+    """
+    from dsv41.engine.flops import decode_token_flops
+
+    try:
+        lengths = [int(c) for c in contexts.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{contexts!r} is not a comma-separated list of integers",
+                                 param_hint="--context") from None
+    if any(n < 1 for n in lengths):
+        raise click.BadParameter("context lengths must be at least 1", param_hint="--context")
+    config = _load(config_name)
+    rows = [decode_token_flops(config, n) for n in lengths]
+    parts = list(dict.fromkeys(p for r in rows for p in r.parts))
+    click.echo(f"{'part (GFLOP, weighted)':<34}" + "".join(f"{r.context:>14,}" for r in rows))
+    for part in parts:
+        click.echo(f"{part:<34}" + "".join(f"{r.parts.get(part, 0) / 1e9:>14.3f}" for r in rows))
+    click.echo(f"{'total':<34}" + "".join(f"{r.total / 1e9:>14.3f}" for r in rows))
+    base = rows[0].total
+    click.echo(f"{'vs first context':<34}" + "".join(f"{r.total / base - 1:>+14.1%}" for r in rows))
+    click.echo('technical report: "about +1/4" from 4K to 1M context')
+
+
+@cli.command()
 @click.argument("prompt")
 @click.option("--config", "config_name", default="mini", show_default=True, help=CONFIG_HELP)
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 4096))
