@@ -121,3 +121,29 @@ def test_bad_requests_are_refused(micro):
         core.prefill(list(range(3, 12)), "ced", capacity=8)
     with pytest.raises(ValueError, match="chunk size must be at least 1"):
         InferenceCore(micro, chunk_size=0)
+
+
+def test_encoder_replay_from_stored_blocks(micro, rng):
+    from dsv41.model.cache import export_blocks
+    from dsv41.storage.blockfmt import BlockLayout
+
+    core, layout = InferenceCore(micro, chunk_size=5), BlockLayout.of(micro.config, 4)
+    ids = _prompt(rng, 30)
+    with stable_numerics():
+        seq, plain = core.prefill(ids, "ced", packed=True)
+        # a prefix within the window: replay rebuilds the encoder's SWA state exactly
+        blocks = export_blocks(seq.cache, layout, 0, 2)
+        hit, logits = core.prefill_from_prefix(ids, blocks, layout)
+        assert torch.equal(logits, plain)
+        assert export_blocks(hit.cache, layout, 0, 2) == blocks  # cached global KV never rewritten
+        assert hit.counters.encoder_layer_tokens == 30 * 4  # 8 replayed + 22 new, 4 encoder layers
+        # a longer prefix: bounded replay of its last W tokens, cached entries byte-identical
+        blocks = export_blocks(seq.cache, layout, 0, 5)
+        hit, logits = core.prefill_from_prefix(ids, blocks, layout)
+        assert export_blocks(hit.cache, layout, 0, 5) == blocks
+        assert hit.counters.encoder_layer_tokens == (8 + 10) * 4
+        assert torch.isfinite(logits).all()
+        more = core.step(hit, [5, 6])  # and decoding continues from the rebuilt state
+        assert more.shape == (2, 320) and torch.isfinite(more).all()
+    with pytest.raises(ValueError, match="needs a longer prompt"):
+        core.prefill_from_prefix(ids[:8], export_blocks(seq.cache, layout, 0, 2), layout)

@@ -18,9 +18,10 @@ import torch
 from dsv41.config import Part
 from dsv41.model import mhc
 from dsv41.model.attention import SharedAttention
-from dsv41.model.cache import DecodeCache, checkpoint, restore
+from dsv41.model.cache import DecodeCache, checkpoint, import_blocks, restore
 from dsv41.model.rope import table_for
 from dsv41.model.transformer import Transformer
+from dsv41.storage.blockfmt import BlockLayout
 
 PREFILL_MODES = ("ced", "exact", "full")
 
@@ -67,6 +68,20 @@ class InferenceCore:
             return seq, self._prefill_full(seq, tokens)
         return seq, self._prefill_ced(seq, tokens, exact=mode == "exact")
 
+    @torch.inference_mode()
+    def prefill_from_prefix(self, ids: list[int], blocks: list[bytes], layout: BlockLayout,
+                            capacity: int | None = None) -> tuple[Sequence, torch.Tensor]:
+        """`ced` prefill of ids whose first len(blocks) blocks have stored global KV: the blocks
+        are loaded into a packed cache and never rewritten; encoder replay rebuilds SWA state."""
+        cached = len(blocks) * layout.block_tokens
+        if not 0 < cached < len(ids):
+            raise ValueError(f"a prefix of {cached} tokens needs a longer prompt than {len(ids)} tokens")
+        capacity = min(capacity or len(ids) + 1024, self.model.config.text_config.max_position_embeddings)
+        seq = Sequence(DecodeCache.allocate(self.model.config, 1, capacity, packed=True))
+        import_blocks(seq.cache, blocks, layout)
+        seq.cache.ids[:, :cached] = torch.tensor(ids[:cached])
+        return seq, self._prefill_ced(seq, torch.tensor([ids]), exact=False, cached=cached)
+
     def _chunks(self, n: int):
         for start in range(0, n, self.chunk_size):
             yield start, min(n, start + self.chunk_size)
@@ -79,27 +94,23 @@ class InferenceCore:
         seq.counters.decoder_layer_tokens += n * len(self.decoder)
         return logits[0, -1]
 
-    def _prefill_ced(self, seq: Sequence, tokens: torch.Tensor, exact: bool) -> torch.Tensor:
-        n, cache, first_decoder = tokens.size(1), seq.cache, self.decoder[0]
+    def _prefill_ced(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0) -> torch.Tensor:
+        """Encoder over tokens from `cached` on (CED-projecting the decoder's global KV), then the
+        decoder replay. With a cached prefix (global KV loaded, no SWA state), its last W tokens
+        are first replayed through the encoder to rebuild the encoder's SWA rings; their encoder
+        outputs also feed the decoder replay when the new suffix is shorter than W."""
+        n = tokens.size(1)
         starts = self._decoder_starts(n, exact)
-        keep_from = starts[0]
-        kept_x, kept_pre = [], []
-        for start, end in self._chunks(n):
-            x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache)
-            shared = SharedAttention(start=start, cache=cache)
-            for layer in self.encoder:
-                x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live)
-            # CED: the decoder's global KV, projected from the encoder output
-            x20 = first_decoder.attn_norm(mhc.collapse(x, pre_mix))
-            table = table_for(self.model.config.text_config, first_decoder.spec.rope, cache.capacity)
-            first_decoder.attn.project_entries(x20, table, shared)
-            if end > keep_from:
-                cut = max(0, keep_from - start)
-                kept_x.append(x[:, cut:])
-                kept_pre.append(pre_mix[:, cut:])
-        seq.counters.encoder_layer_tokens += n * len(self.encoder)
-        x, pre_mix = torch.cat(kept_x, dim=1), torch.cat(kept_pre, dim=1)
-        shared = SharedAttention(cache=cache, emit_entries=False)
+        kept = []
+        if cached:
+            replay_from = max(0, cached - self.window)
+            kept.append(self._encode(seq, tokens, replay_from, cached, starts[0], replay=True))
+            seq.counters.replayed_layer_tokens += (cached - replay_from) * len(self.encoder)
+        for start, end in self._chunks(n - cached):
+            kept.append(self._encode(seq, tokens, cached + start, cached + end, starts[0]))
+        x = torch.cat([k[0] for k in kept if k is not None], dim=1)
+        pre_mix = torch.cat([k[1] for k in kept if k is not None], dim=1)
+        shared = SharedAttention(cache=seq.cache, emit_entries=False)
         for layer, start in zip(self.decoder, starts, strict=True):
             drop = start - (n - x.size(1))
             x, pre_mix = x[:, drop:], pre_mix[:, drop:]
@@ -107,8 +118,28 @@ class InferenceCore:
             x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared)
             seq.counters.decoder_layer_tokens += n - start
             seq.counters.replayed_layer_tokens += n - start
-        cache.length = n
+        seq.cache.length = n
         return self.model.finish(x[:, -1:], pre_mix[:, -1:])[1][0, -1]
+
+    def _encode(self, seq: Sequence, tokens: torch.Tensor, start: int, end: int, keep_from: int,
+                replay: bool = False):
+        """Encoder layers on positions start..end-1; returns the streams from keep_from on (or None).
+        A replay sees SWA positions from `start` only and leaves every global KV entry as loaded."""
+        cache, first_decoder = seq.cache, self.decoder[0]
+        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache)
+        shared = SharedAttention(start=start, cache=cache, emit_entries=not replay,
+                                 window_floor=start if replay else 0)
+        for layer in self.encoder:
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live)
+        seq.counters.encoder_layer_tokens += (end - start) * len(self.encoder)
+        if not replay:  # CED: the decoder's global KV, projected from the encoder output
+            x20 = first_decoder.attn_norm(mhc.collapse(x, pre_mix))
+            table = table_for(self.model.config.text_config, first_decoder.spec.rope, cache.capacity)
+            first_decoder.attn.project_entries(x20, table, shared)
+        if end <= keep_from:
+            return None
+        cut = max(0, keep_from - start)
+        return x[:, cut:], pre_mix[:, cut:]
 
     def _decoder_starts(self, n: int, exact: bool) -> list[int]:
         """First position each decoder layer runs on. Bounded replay: the last W tokens everywhere.

@@ -130,3 +130,36 @@ def restore(cache: DecodeCache, saved: CacheCheckpoint) -> None:
     for layer, (kv, score) in saved.states.items():
         cache.groups[layer].kv_state.copy_(kv)
         cache.groups[layer].score_state.copy_(score)
+
+
+def _groups_in_order(cache: DecodeCache) -> list[tuple[int, GroupCache]]:
+    return sorted(cache.groups.items())
+
+
+def export_blocks(cache: DecodeCache, layout, first: int, count: int) -> list[bytes]:
+    """The global KV of blocks first..first+count-1 in the stored block payload format (per group,
+    owner layer ascending: main-KV entries, then indexer-K entries). Needs a packed cache."""
+    if not cache.windows or not next(iter(cache.windows.values())).packed:
+        raise ValueError("exporting blocks needs a packed cache (its bytes are what the store keeps)")
+    out = []
+    for b in range(first, first + count):
+        parts = []
+        for (_, group), (ratio, _, _) in zip(_groups_in_order(cache), layout.groups, strict=True):
+            n = layout.block_tokens // ratio
+            rows = slice(b * n, (b + 1) * n)
+            parts += [group.main_kv.data[0, rows].numpy().tobytes(), group.index_k.data[0, rows].numpy().tobytes()]
+        out.append(b"".join(parts))
+    return out
+
+
+def import_blocks(cache: DecodeCache, payloads: list[bytes], layout) -> None:
+    """Load stored block payloads (blocks 0..len-1) into a packed cache's global KV groups."""
+    from dsv41.storage.blockfmt import split
+
+    for b, payload in enumerate(payloads):
+        for (_, group), (main, index) in zip(_groups_in_order(cache), split(layout, memoryview(payload)),
+                                             strict=True):
+            n = main.nbytes // group.main_kv.fmt.entry_bytes
+            rows = slice(b * n, (b + 1) * n)
+            group.main_kv.data[0, rows] = torch.frombuffer(bytearray(main), dtype=torch.uint8).view(n, -1)
+            group.index_k.data[0, rows] = torch.frombuffer(bytearray(index), dtype=torch.uint8).view(n, -1)
