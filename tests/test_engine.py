@@ -147,3 +147,16 @@ def test_encoder_replay_from_stored_blocks(micro, rng):
         assert more.shape == (2, 320) and torch.isfinite(more).all()
     with pytest.raises(ValueError, match="needs a longer prompt"):
         core.prefill_from_prefix(ids[:8], export_blocks(seq.cache, layout, 0, 2), layout)
+
+
+def test_counters_of_scored_entries_and_bytes_held(micro, rng):
+    core = InferenceCore(micro, chunk_size=64)
+    seq, _ = core.prefill(_prompt(rng, 40), "ced")
+    t = micro.config.text_config
+    scored = seq.counters.indexer_scored
+    assert scored["full"] == 40 * 20  # one chunk: 40 queries x 20 ratio-2 entries (the causal mask comes after)
+    assert scored["full, pool source"] == 8 * 40  # the replayed last W queries over 40 ratio-1 entries
+    assert scored["reindex"] <= 8 * t.candidate_topk_blocks * t.candidate_block_size
+    entry = (64 // 2 + 64 // 16) + (32 // 2 + 32 // 32)  # micro: 64-d main KV, 32-d index key
+    assert seq.cache.global_kv_bytes_held() == (40 // 2 + 40) * entry
+    assert seq.cache.swa_bytes_held() == 8 * 8 * (64 + 2)

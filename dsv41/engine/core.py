@@ -30,7 +30,9 @@ PREFILL_MODES = ("ced", "exact", "full")
 class Counters:
     encoder_layer_tokens: int = 0
     decoder_layer_tokens: int = 0
-    replayed_layer_tokens: int = 0  # decoder layer-tokens spent rebuilding SWA state
+    replayed_layer_tokens: int = 0  # layer-tokens spent rebuilding SWA state (decoder and encoder replay)
+    # index scores computed, by layer kind (inside a prefill chunk this includes not-yet-visible entries)
+    indexer_scored: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,7 +90,7 @@ class InferenceCore:
 
     def _prefill_full(self, seq: Sequence, tokens: torch.Tensor) -> torch.Tensor:
         for start, end in self._chunks(tokens.size(1)):
-            logits = self.model(tokens[:, start:end], cache=seq.cache).logits
+            logits = self.model(tokens[:, start:end], cache=seq.cache, scored=seq.counters.indexer_scored).logits
         n = tokens.size(1)
         seq.counters.encoder_layer_tokens += n * len(self.encoder)
         seq.counters.decoder_layer_tokens += n * len(self.decoder)
@@ -110,7 +112,7 @@ class InferenceCore:
             kept.append(self._encode(seq, tokens, cached + start, cached + end, starts[0]))
         x = torch.cat([k[0] for k in kept if k is not None], dim=1)
         pre_mix = torch.cat([k[1] for k in kept if k is not None], dim=1)
-        shared = SharedAttention(cache=seq.cache, emit_entries=False)
+        shared = SharedAttention(cache=seq.cache, emit_entries=False, scored=seq.counters.indexer_scored)
         for layer, start in zip(self.decoder, starts, strict=True):
             drop = start - (n - x.size(1))
             x, pre_mix = x[:, drop:], pre_mix[:, drop:]
@@ -128,7 +130,7 @@ class InferenceCore:
         cache, first_decoder = seq.cache, self.decoder[0]
         x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache)
         shared = SharedAttention(start=start, cache=cache, emit_entries=not replay,
-                                 window_floor=start if replay else 0)
+                                 window_floor=start if replay else 0, scored=seq.counters.indexer_scored)
         for layer in self.encoder:
             x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live)
         seq.counters.encoder_layer_tokens += (end - start) * len(self.encoder)
@@ -157,7 +159,7 @@ class InferenceCore:
         returns their logits [k, vocab]."""
         if not tokens:
             raise ValueError("a step needs at least one token")
-        logits = self.model(torch.tensor([tokens]), cache=seq.cache).logits[0]
+        logits = self.model(torch.tensor([tokens]), cache=seq.cache, scored=seq.counters.indexer_scored).logits[0]
         seq.counters.encoder_layer_tokens += len(tokens) * len(self.encoder)
         seq.counters.decoder_layer_tokens += len(tokens) * len(self.decoder)
         return logits

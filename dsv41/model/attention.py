@@ -41,6 +41,7 @@ class SharedAttention:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, s, k] entry ids, -1 = unused
     candidates: torch.Tensor | None = None  # [b, s, n_entries] bool pool of the candidate source
     candidate_source: int = -1
+    scored: dict[str, int] | None = None  # index entries scored, by layer kind, when counted
     trace: Trace | None = None
 
 
@@ -355,12 +356,24 @@ class Attention(nn.Module):
         scores = torch.full((x.size(0), total + 1), -torch.inf, dtype=pool_scores.dtype)
         return scores.scatter(-1, ids, pool_scores)[:, :total].unsqueeze(1)
 
+    def _count_scored(self, scores: torch.Tensor, shared: SharedAttention) -> None:
+        """Entries scored: every visible one for Full layers, the pool's for Reindex layers."""
+        if self.spec.candidate_consumer:
+            pool = shared.candidates[:, shared.start - shared.rows_start[shared.candidate_source] :]
+            n = int(pool.sum())
+        else:
+            n = int(torch.isfinite(scores).sum())
+        key = _scored_kind(self.spec)
+        shared.scored[key] = shared.scored.get(key, 0) + n
+
     def _select(self, x, qr, table, shared: SharedAttention) -> torch.Tensor:
         spec, s, start = self.spec, x.size(1), shared.start
         total = (start + s) // spec.ratio
         if total == 0:
             return torch.empty(x.size(0), s, 0, dtype=torch.int32)
         scores = self._scores(x, qr, table, shared, total)
+        if shared.scored is not None:
+            self._count_scored(scores, shared)
         if s == 1 and start > 0:
             visible = total
         else:
@@ -377,6 +390,12 @@ class Attention(nn.Module):
         picked = topk_entries(scores, min(self.indexer.topk, total))
         picked = torch.where(picked < visible, picked, -1)
         return valid_first(F.pad(picked, (0, self.indexer.topk - picked.size(-1)), value=-1)).int()
+
+
+def _scored_kind(spec: LayerSpec) -> str:
+    if spec.mode is Mode.REINDEX:
+        return "reindex"
+    return "full, pool source" if spec.candidate_source else "full"
 
 
 def _record(shared: SharedAttention, layer: int, name: str, value: torch.Tensor) -> None:

@@ -65,6 +65,10 @@ class GroupCache:
     score_state: torch.Tensor | None  # [b, m, head_dim] fp32, -inf until written
 
 
+def _ratio(group: GroupCache) -> int:
+    return group.kv_state.size(1) if group.kv_state is not None else 1
+
+
 @dataclass
 class DecodeCache:
     capacity: int
@@ -79,6 +83,14 @@ class DecodeCache:
     # entry scores against the slot's keys, as the official implementation does.
     official_decode_slots: bool = False
     index_k_slot: int | None = field(default=None)
+
+    def global_kv_bytes_held(self) -> int:
+        """Bytes of global KV (packed sizes) the sequence holds: complete entries of every group."""
+        return sum((self.length // _ratio(g)) * (g.main_kv.fmt.entry_bytes + g.index_k.fmt.entry_bytes)
+                   for g in self.groups.values())
+
+    def swa_bytes_held(self) -> int:
+        return sum(min(self.length, w.data.size(1)) * w.fmt.entry_bytes for w in self.windows.values())
 
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, capacity: int, official_decode_slots: bool = False,

@@ -50,19 +50,19 @@ class Transformer(nn.Module):
 
     def forward(
         self, ids: torch.Tensor, image_mask: torch.Tensor | None = None, trace: Trace | None = None,
-        cache: DecodeCache | None = None,
+        cache: DecodeCache | None = None, scored: dict[str, int] | None = None,
     ) -> ForwardOutput:
         """Run ids [b, s] through every layer.
 
         Without a cache: positions 0..s-1, nothing kept (the oracle). With a cache: the tokens go at
         the cache's next positions (a prompt, a chunk of one, a decode step or tokens to verify).
         image_mask [b, s] marks image-span tokens (VL routing bias, dead for Engram);
-        `trace` receives per-layer intermediates.
+        `trace` receives per-layer intermediates; `scored` counts index entries scored by layer kind.
         """
         start, s = (0 if cache is None else cache.length), ids.size(1)
         self._check_span(start, s, cache)
         x, pre_mix, rows, live = self.begin(ids, start, cache, image_mask)
-        shared = SharedAttention(start=start, cache=cache, trace=trace)
+        shared = SharedAttention(start=start, cache=cache, trace=trace, scored=scored)
         targets: list[torch.Tensor] = []
         for layer in self.layers:
             x, pre_mix = self.run_layer(layer, x, pre_mix, shared, rows, live, image_mask, targets)

@@ -1,0 +1,142 @@
+"""Decode step time on `mini` by context length and layer kind, against bytes moved.
+
+Long caches are built synthetically (random but valid packed entries: prefilling a million tokens
+through the reference-numerics model is out of reach on a CPU), then a few decode steps run over
+a packed cache. Each step is timed per layer and summed by kind: SWA-only, Full (ratio 2, scoring
+every visible entry), Full building the candidate pool (ratio 1), Reindex (scores the pool),
+Reuse. KV bytes read per step are counted from the plan and compared with this machine's copy
+bandwidth measured in the same run. Writes benchmarks/results/decode.json.
+Usage: python benchmarks/decode.py [--contexts 4096 16384 65536] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from dsv41.config import Mode
+from dsv41.model.cache import DecodeCache
+from dsv41.model.reference import random_model
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def kind(spec) -> str:
+    if spec.mode is Mode.FULL:
+        return "Full, pool source" if spec.candidate_source else "Full, full-range indexer"
+    return {Mode.SWA: "SWA-only", Mode.REINDEX: "Reindex (pool)", Mode.REUSE: "Reuse"}[spec.mode]
+
+
+def random_entries(store, n: int, gen: torch.Generator) -> None:
+    """Valid packed entries: random codes, scales in a moderate range."""
+    fmt, data = store.fmt, store.data
+    data[:, :n, : fmt.code_bytes] = torch.randint(0, 256, (data.size(0), n, fmt.code_bytes), generator=gen,
+                                                  dtype=torch.uint8)
+    low, high = (40, 56) if fmt.e4m3_scale else (120, 128)  # E4M3 ~0.125..1, E8M0 2^-7..1
+    data[:, :n, fmt.code_bytes :] = torch.randint(low, high, (data.size(0), n, fmt.scale_bytes), generator=gen,
+                                                  dtype=torch.uint8)
+
+
+def synthetic_cache(model, context: int, steps: int) -> DecodeCache:
+    gen = torch.Generator().manual_seed(context)
+    cache = DecodeCache.allocate(model.config, 1, context + steps + 1, packed=True)
+    for ring in cache.windows.values():
+        random_entries(ring, ring.data.size(1), gen)
+    for layer, group in cache.groups.items():
+        n = context // model.plan.layers[layer].ratio
+        random_entries(group.main_kv, n, gen)
+        random_entries(group.index_k, n, gen)
+    cache.ids[:, :context] = torch.randint(3, 320, (1, context), generator=gen)
+    cache.length = context
+    return cache
+
+
+def kv_bytes_per_step(model, context: int) -> dict[str, int]:
+    t = model.config.text_config
+    pool = t.candidate_topk_blocks * t.candidate_block_size
+    out: dict[str, int] = {}
+    for spec in model.plan.backbone:
+        n = 128 * 528  # the SWA ring
+        if spec.ratio:
+            visible = context // spec.ratio
+            n += min(t.index_topk, visible) * 288  # gathered main-KV entries
+            if spec.mode is Mode.FULL:
+                n += visible * 68  # every index key
+            elif spec.mode is Mode.REINDEX:
+                n += min(pool, visible) * 68
+        out[kind(spec)] = out.get(kind(spec), 0) + n
+    return out
+
+
+def time_layers(model, cache: DecodeCache, steps: int) -> dict[str, float]:
+    per_layer: dict[int, list[float]] = {}
+    originals = {}
+    for layer in model.layers:
+        originals[layer] = layer.forward
+
+        def timed(*args, _layer=layer, **kwargs):
+            start = time.perf_counter()
+            out = originals[_layer](*args, **kwargs)
+            per_layer.setdefault(_layer.spec.layer_id, []).append(time.perf_counter() - start)
+            return out
+
+        layer.forward = timed
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([[4]]), cache=cache)  # warm-up, not recorded
+            per_layer.clear()
+            for step in range(steps):
+                model(torch.tensor([[5 + step]]), cache=cache)
+    finally:
+        for layer, forward in originals.items():
+            layer.forward = forward
+    by_kind: dict[str, float] = {}
+    for layer in model.layers:
+        name = kind(layer.spec)
+        by_kind[name] = by_kind.get(name, 0.0) + statistics.median(per_layer[layer.spec.layer_id])
+    return by_kind
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(128 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return 2 * 5 * src.numel() / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    model = random_model("mini", seed=0)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s")
+    rows = []
+    for context in args.contexts:
+        cache = synthetic_cache(model, context, args.steps)
+        times = time_layers(model, cache, args.steps)
+        kv = kv_bytes_per_step(model, context)
+        total_s, total_b = sum(times.values()), sum(kv.values())
+        rows.append({"context": context, "step_s": total_s, "kv_bytes": total_b, "by_kind_s": times,
+                     "by_kind_kv_bytes": kv, "kv_bytes_over_bandwidth_s": total_b / bandwidth})
+        print(f"\ncontext {context:,}: step {total_s * 1e3:.0f} ms; KV read {total_b / 2**20:.1f} MiB "
+              f"(= {total_b / bandwidth * 1e3:.2f} ms at copy bandwidth)")
+        for name, seconds in times.items():
+            print(f"  {name:<26} {seconds * 1e3:>9.1f} ms  {kv[name] / 2**20:>9.2f} MiB")
+        del cache
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "decode.json").write_text(json.dumps({"bandwidth": bandwidth, "rows": rows}, indent=2) + "\n")
+    print(f"\nwrote {RESULTS / 'decode.json'}")
+
+
+if __name__ == "__main__":
+    main()
