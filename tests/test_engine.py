@@ -160,3 +160,31 @@ def test_counters_of_scored_entries_and_bytes_held(micro, rng):
     entry = (64 // 2 + 64 // 16) + (32 // 2 + 32 // 32)  # micro: 64-d main KV, 32-d index key
     assert seq.cache.global_kv_bytes_held() == (40 // 2 + 40) * entry
     assert seq.cache.swa_bytes_held() == 8 * 8 * (64 + 2)
+
+
+def test_a_second_request_reuses_the_first_ones_stored_global_kv(micro, rng, tmp_path):
+    from dsv41.engine.prefix_cache import CachedPrefill
+    from dsv41.storage.blockfmt import BlockLayout
+    from dsv41.storage.policy import PrefixCachePolicy
+    from dsv41.storage.prefix import Fingerprint
+    from dsv41.storage.store import GlobalKVStore, StoreConfig
+    from dsv41.storage.swa_pool import SWAPool
+
+    layout = BlockLayout.of(micro.config, 4)
+    store = GlobalKVStore(tmp_path / "kv", layout, StoreConfig(capacity_bytes=2**24))
+    policy = PrefixCachePolicy(store, SWAPool(2**20), Fingerprint.of(micro.config, "seed-1"), block_size=4)
+    cached = CachedPrefill(InferenceCore(micro, chunk_size=6), policy)
+    turn1 = _prompt(rng, 22)
+    turn2 = turn1 + _prompt(rng, 9)
+    try:
+        with stable_numerics():
+            first = cached.prefill(turn1)
+            assert first.cached_tokens == 0 and first.stored_blocks == 5  # 5 complete blocks of 4
+            second = cached.prefill(turn2)
+            assert second.cached_tokens == 20 and second.stored_blocks == 2
+            # the loaded blocks are byte-identical to what the first request computed
+            assert store.get_copy(policy.keys(turn2)[4]) == store.get_copy(policy.keys(turn1)[4])
+            assert second.sequence.counters.encoder_layer_tokens == (8 + 11) * 4  # W replayed + 11 new
+            assert torch.isfinite(second.logits).all()
+    finally:
+        store.close()

@@ -152,6 +152,7 @@ class GlobalKVStore:
             txn.abort()
 
     def get_copy(self, key: bytes) -> bytes | None:
+        """One block's payload, copied out of the map (or None: missing or damaged)."""
         with self.reader() as r:
             view = r.get(key)
             return None if view is None else bytes(view)
