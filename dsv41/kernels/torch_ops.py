@@ -65,7 +65,8 @@ def select_candidate_blocks(
 
 
 
-def _gather(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def gather_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """rows [b, n, ...] picked by ids [b, k] (-1 reads row 0; callers mask it) -> [b, k, ...]."""
     return rows[torch.arange(ids.size(0), device=ids.device).unsqueeze(-1), ids.long().clamp(min=0)]
 
 
@@ -74,7 +75,7 @@ def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float) -> t
     with topk [b, k] entry ids (-1 unused); sink [h] fp32 -> out [b, h, d] bf16."""
     d = q.size(-1)
     window = unpack_rows(ring, swa_format(d))
-    entries = unpack_rows(_gather(main, topk), main_kv_format(d))
+    entries = unpack_rows(gather_rows(main, topk), main_kv_format(d))
     kv = torch.cat([window, entries], dim=1)
     local = torch.arange(topk.size(1), device=q.device) + ring.size(1)
     idx = torch.cat([slots.int(), torch.where(topk >= 0, local, -1).int()], dim=1)
@@ -84,7 +85,7 @@ def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float) -> t
 def index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
     """q [b, hi, di] bf16 (MXFP4 values), weights [b, hi] bf16, keys [b, n_keys, 68-byte entries];
     bf16 scores [b, n] for every key, or for entry_ids [b, n] (a candidate pool)."""
-    rows = keys if entry_ids is None else _gather(keys, entry_ids)
+    rows = keys if entry_ids is None else gather_rows(keys, entry_ids)
     k = unpack_rows(rows, index_k_format(q.size(-1)))
     dots = numerics.einsum("bhd,btd->bht", q, k)
     return numerics.wide(dots.relu() * weights.unsqueeze(-1)).sum(dim=1).to(dots.dtype)

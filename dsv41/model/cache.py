@@ -23,6 +23,7 @@ from dsv41.kernels.layouts import (
     swa_format,
     unpack_rows,
 )
+from dsv41.kernels.torch_ops import gather_rows
 
 
 @dataclass
@@ -49,7 +50,7 @@ class EntryStore:
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows by entry id idx [b, k] (-1 reads row 0; callers mask it) -> values [b, k, dim]."""
-        rows = self.data[torch.arange(idx.size(0)).unsqueeze(-1), idx.long().clamp(min=0)]
+        rows = gather_rows(self.data, idx)
         return unpack_rows(rows, self.fmt) if self.packed else rows
 
     @property
