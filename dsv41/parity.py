@@ -160,10 +160,6 @@ def _rope_rows(u: dict[str, torch.Tensor]) -> list[Row]:
     return rows
 
 
-def _layer_name(trace_key: str, layer: int, source: int) -> str:
-    return f"layer{source if trace_key == 'indexer_topk' else layer}"
-
-
 def _mine(trace: Trace, layer: int, name: str) -> torch.Tensor | None:
     key = {"indexer_topk": "compress_topk_idxs"}.get(name, name)
     return trace.get(f"layer{layer}.{key}")

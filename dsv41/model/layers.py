@@ -47,11 +47,6 @@ class Linear(nn.Module):
         self.scale = None if scale is None else nn.Parameter(scale, requires_grad=False)
         self._dequant: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
-    @property
-    def n_params(self) -> int:
-        """Logical weight elements (packed FP4 counts two per byte; scales not counted)."""
-        return self.in_features * self.out_features
-
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Weight values (fp32, unscaled) and per-row per-32 scales, cached until the weight changes."""
         key = (self.weight.data_ptr(), self.weight._version, self.scale._version)

@@ -34,10 +34,6 @@ def stable_numerics(on: bool = True) -> Iterator[None]:
         _stable = previous
 
 
-def is_stable() -> bool:
-    return _stable
-
-
 def wide(t: torch.Tensor) -> torch.Tensor:
     """The tensor to accumulate a reduction in: itself, or float64 in stable mode."""
     return t.double() if _stable else t

@@ -80,7 +80,3 @@ def block_keys(tokens: Sequence[int], fingerprint: Fingerprint, block_size: int 
         keys.append(parent)
     return keys
 
-
-def tail_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Identity of a position inside a block (SWA snapshots are keyed by exact position)."""
-    return block_key(parent, tokens, (b"tail",))

@@ -323,10 +323,6 @@ class GlobalKVStore:
             problems.append((b"", f"byte total {stored} does not match the blocks' {total}"))
         return problems
 
-    def remove(self, keys: list[bytes]) -> None:
-        self._require_writer()
-        self._write(lambda txn: [self._delete(txn, key) for key in keys])
-
     def totals(self) -> dict[str, int]:
         """Cumulative counters of every process that wrote to this store, plus this one's unflushed."""
         with self.env.begin(db=self.info) as txn:
