@@ -53,3 +53,12 @@ def test_candidate_pool_forces_the_newest_block_even_when_it_scores_worst(rng):
     scores[..., 38:] = -torch.inf  # not visible yet
     mask = select_candidate_blocks(scores, 38, 2, 4)
     assert mask[0, 0, 36:40].all() and mask.sum() == 8
+
+
+def test_equal_block_scores_keep_the_newer_block_whatever_the_row_width():
+    scores = torch.tensor([[[0.1, 0.5, -1.0, -1.0, 0.2, 0.5, -1.0, -1.0, 0.3, 0.0, 0.0, 0.0]]])
+    narrow = select_candidate_blocks(scores, 12, 2, 4)
+    wide = select_candidate_blocks(torch.nn.functional.pad(scores, (0, 20), value=-torch.inf), 12, 2, 4)
+    # blocks 0 and 1 tie at 0.5; block 2 (the newest) is always kept, the tie goes to block 1
+    assert narrow[0, 0].nonzero().flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert torch.equal(wide[..., :12], narrow)

@@ -86,11 +86,11 @@ def test_pool_scoring_equals_masking_full_scores_with_the_newest_block_kept(rng)
     assert torch.equal(restricted[0], full[0, pool])
 
 
-def test_topk_ties_go_to_the_lower_entry_id():
+def test_topk_ties_go_to_the_newer_entry():
     scores = torch.tensor([[1.0, 3.0, 2.0, 3.0, -0.0, 0.0, 3.0, float("-inf")]]).bfloat16()
-    assert topk_entries(scores, 2).tolist() == [[1, 3]]
+    assert topk_entries(scores, 2).tolist() == [[3, 6]]
     assert topk_entries(scores, 4).tolist() == [[1, 2, 3, 6]]
-    assert topk_entries(scores[:, 4:6], 1).tolist() == [[0]]  # -0 equals +0: the lower id wins
+    assert topk_entries(scores[:, 4:6], 1).tolist() == [[1]]  # -0 equals +0: the higher id wins
     assert topk_entries(scores, 8).tolist() == [list(range(8))]  # more than visible: -inf ones last
 
 

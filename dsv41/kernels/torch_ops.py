@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv41.kernels.layouts import index_k_format, main_kv_format, pack_rows, swa_format, unpack_rows
+from dsv41.kernels.selection import topk_entries
 from dsv41.model import mhc, numerics
 
 __all__ = ["index_scores", "mhc_update", "pack_rows", "select_candidate_blocks", "sparse_attention",
@@ -59,8 +60,9 @@ def select_candidate_blocks(
     total = block_scores.size(-1)
     newest = (visible - 1) // block_size
     block_scores = block_scores.masked_fill(torch.arange(total) == newest, torch.inf)
-    best = block_scores.topk(min(n_blocks, total), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, best.indices, best.values > -torch.inf)
+    best = topk_entries(block_scores, min(n_blocks, total))  # equal block scores: the newer block wins
+    chosen = block_scores.gather(-1, best) > -torch.inf
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, best, chosen)
     return keep.repeat_interleave(block_size, dim=-1)[..., :width]
 
 

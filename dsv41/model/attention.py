@@ -187,9 +187,9 @@ class Attention(nn.Module):
         self.indexer = Indexer(t, spec.mode is Mode.FULL, device) if owns_index else None
 
     def forward(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention) -> torch.Tensor:
-        """x [b, s, dim] after attn_norm. `table` holds RoPE rows from position 0 through the last
-        position of x. A forward at start 0 takes any length (and seeds the cache when there is
-        one); a later forward takes one token and reads the cache."""
+        """x [b, s, dim] after attn_norm at positions shared.start..; `table` holds RoPE rows from
+        position 0 on. Without a cache only start 0; with one, any start and length (a one-token
+        step on a packed cache reads it through the packed-cache kernels)."""
         b, s, _ = x.shape
         rows = table[shared.start : shared.start + s]
         qr = self.q_norm(self.wq_a(x))
