@@ -186,5 +186,8 @@ def test_a_second_request_reuses_the_first_ones_stored_global_kv(micro, rng, tmp
             assert store.get_copy(policy.keys(turn2)[4]) == store.get_copy(policy.keys(turn1)[4])
             assert second.sequence.counters.encoder_layer_tokens == (8 + 11) * 4  # W replayed + 11 new
             assert torch.isfinite(second.logits).all()
+        other = PrefixCachePolicy(store, SWAPool(2**20), policy.fingerprint, block_size=8)
+        with pytest.raises(ValueError, match="block layout does not match"):
+            CachedPrefill(InferenceCore(micro), other)
     finally:
         store.close()

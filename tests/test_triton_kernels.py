@@ -108,3 +108,11 @@ def test_fused_mhc_update_matches_its_twin(rng):
     for g, w in zip(got[2:], want[2:], strict=True):  # coefficients: fp32 sums in another order
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-6)
     assert torch.allclose(got[4].sum(-2), torch.ones(1, t, 4), atol=1e-5)
+
+
+def test_an_unknown_kernel_backend_is_refused(monkeypatch):
+    from dsv41.kernels import dispatch
+
+    monkeypatch.setenv("DSV41_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="DSV41_KERNELS='cuda': use auto, triton or torch"):
+        dispatch.pack_rows(torch.zeros(1, 64), main_kv_format(64))
