@@ -90,28 +90,38 @@ class InferenceCore:
 
     def _prefill_full(self, seq: Sequence, tokens: torch.Tensor) -> torch.Tensor:
         for start, end in self._chunks(tokens.size(1)):
-            logits = self.model(tokens[:, start:end], cache=seq.cache, scored=seq.counters.indexer_scored).logits
-        n = tokens.size(1)
-        seq.counters.encoder_layer_tokens += n * len(self.encoder)
-        seq.counters.decoder_layer_tokens += n * len(self.decoder)
-        return logits[0, -1]
+            logits = self.step(seq, tokens[0, start:end].tolist())
+        return logits[-1]
 
     def _prefill_ced(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0) -> torch.Tensor:
-        """Encoder over tokens from `cached` on (CED-projecting the decoder's global KV), then the
-        decoder replay. With a cached prefix (global KV loaded, no SWA state), its last W tokens
-        are first replayed through the encoder to rebuild the encoder's SWA rings; their encoder
-        outputs also feed the decoder replay when the new suffix is shorter than W."""
+        x, pre_mix, starts = self.encode_prompt(seq, tokens, exact, cached)
+        return self.decoder_replay(seq, x, pre_mix, starts, tokens.size(1))
+
+    def encode_prompt(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0, rows_for=None):
+        """The encoder half of a `ced`/`exact` prefill: the encoder over tokens from `cached` on,
+        CED-projecting the decoder's global KV. With a cached prefix (global KV loaded, no SWA
+        state), its last W tokens are first replayed through the encoder to rebuild the encoder's
+        SWA rings; their encoder outputs also feed the decoder replay when the new suffix is
+        shorter than W. Returns the encoder output streams from the first decoder start on and
+        every decoder layer's start. `rows_for(start, end)` supplies prefetched Engram rows."""
         n = tokens.size(1)
         starts = self._decoder_starts(n, exact)
         kept = []
         if cached:
             replay_from = max(0, cached - self.window)
-            kept.append(self._encode(seq, tokens, replay_from, cached, starts[0], replay=True))
+            kept.append(self._encode(seq, tokens, replay_from, cached, starts[0], True, rows_for))
             seq.counters.replayed_layer_tokens += (cached - replay_from) * len(self.encoder)
         for start, end in self._chunks(n - cached):
-            kept.append(self._encode(seq, tokens, cached + start, cached + end, starts[0]))
+            kept.append(self._encode(seq, tokens, cached + start, cached + end, starts[0], False, rows_for))
         x = torch.cat([k[0] for k in kept if k is not None], dim=1)
         pre_mix = torch.cat([k[1] for k in kept if k is not None], dim=1)
+        seq.cache.length = n
+        return x, pre_mix, starts
+
+    def decoder_replay(self, seq: Sequence, x: torch.Tensor, pre_mix: torch.Tensor, starts: list[int],
+                       n: int) -> torch.Tensor:
+        """The decoder half: each decoder layer from its start to n-1 on the encoder output
+        streams x (positions n - x.size(1) ..), rebuilding its SWA ring; logits [vocab] at n-1."""
         shared = SharedAttention(cache=seq.cache, emit_entries=False, scored=seq.counters.indexer_scored)
         for layer, start in zip(self.decoder, starts, strict=True):
             drop = start - (n - x.size(1))
@@ -124,11 +134,13 @@ class InferenceCore:
         return self.model.finish(x[:, -1:], pre_mix[:, -1:])[1][0, -1]
 
     def _encode(self, seq: Sequence, tokens: torch.Tensor, start: int, end: int, keep_from: int,
-                replay: bool = False):
+                replay: bool = False, rows_for=None):
         """Encoder layers on positions start..end-1; returns the streams from keep_from on (or None).
         A replay sees SWA positions from `start` only and leaves every global KV entry as loaded."""
         cache, first_decoder = seq.cache, self.decoder[0]
-        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache)
+        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache, prefetched=rows_for is not None)
+        if rows_for is not None:
+            rows = rows_for(start, end)
         shared = SharedAttention(start=start, cache=cache, emit_entries=not replay,
                                  window_floor=start if replay else 0, scored=seq.counters.indexer_scored)
         for layer in self.encoder:
@@ -155,14 +167,43 @@ class InferenceCore:
 
     @torch.inference_mode()
     def step(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
-        """Run 1..k new tokens through all layers (decode, or verification of drafted tokens);
-        returns their logits [k, vocab]."""
+        """Run 1..k new tokens through all layers (decode, verification of drafted tokens, or a
+        chunk of a `full` prefill); returns their logits [k, vocab]."""
+        start = seq.cache.length
+        x, pre_mix = self.encode_tokens(seq, tokens)
+        logits, _ = self.decode_streams(seq, x, pre_mix, start)
+        return logits
+
+    @torch.inference_mode()
+    def encode_tokens(self, seq: Sequence, tokens: list[int], rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder half of a step: new tokens at the next positions through layers 0..19;
+        advances the cache length. `rows`: prefetched Engram rows by table index."""
         if not tokens:
             raise ValueError("a step needs at least one token")
-        logits = self.model(torch.tensor([tokens]), cache=seq.cache, scored=seq.counters.indexer_scored).logits[0]
+        cache, start = seq.cache, seq.cache.length
+        self.model.check_span(start, len(tokens), cache)
+        x, pre_mix, own_rows, live = self.model.begin(torch.tensor([tokens]), start, cache, prefetched=rows is not None)
+        shared = SharedAttention(start=start, cache=cache, scored=seq.counters.indexer_scored)
+        for layer in self.encoder:
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, own_rows if rows is None else rows, live)
         seq.counters.encoder_layer_tokens += len(tokens) * len(self.encoder)
-        seq.counters.decoder_layer_tokens += len(tokens) * len(self.decoder)
-        return logits
+        cache.length = start + len(tokens)
+        return x, pre_mix
+
+    @torch.inference_mode()
+    def decode_streams(self, seq: Sequence, x: torch.Tensor, pre_mix: torch.Tensor,
+                       start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder half of a step: encoder output streams of positions start.. through layers
+        20..39 and the head; returns logits [k, vocab] and DSpark's input [k, 3 * dim]."""
+        cache, s = seq.cache, x.size(1)
+        self.model.check_span(start, s, cache)
+        shared = SharedAttention(start=start, cache=cache, scored=seq.counters.indexer_scored)
+        targets: list[torch.Tensor] = []
+        for layer in self.decoder:
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, targets=targets)
+        seq.counters.decoder_layer_tokens += s * len(self.decoder)
+        cache.length = start + s
+        return self.model.finish(x, pre_mix)[1][0], torch.cat(targets, dim=-1)[0]
 
     @staticmethod
     @torch.inference_mode()

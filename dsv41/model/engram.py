@@ -179,9 +179,10 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.empty(self.hc, self.dim, dtype=torch.bfloat16, device=device),
                                      requires_grad=False)
 
-    def forward(self, x: torch.Tensor, row_ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, s, hc, dim]; row_ids [b, s, n_cols] of this layer's table."""
-        kv = self.wkv(self.embed(row_ids).flatten(-2))
+    def forward(self, x: torch.Tensor, looked: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, hc, dim]; looked [b, s, n_cols, head_dim]: the rows `embed` looked up for this
+        layer (here, or ahead of need by the engram component)."""
+        kv = self.wkv(looked.flatten(-2))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))
         h = x.float()

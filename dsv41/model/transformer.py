@@ -60,7 +60,7 @@ class Transformer(nn.Module):
         `trace` receives per-layer intermediates; `scored` counts index entries scored by layer kind.
         """
         start, s = (0 if cache is None else cache.length), ids.size(1)
-        self._check_span(start, s, cache)
+        self.check_span(start, s, cache)
         x, pre_mix, rows, live = self.begin(ids, start, cache, image_mask)
         shared = SharedAttention(start=start, cache=cache, trace=trace, scored=scored)
         targets: list[torch.Tensor] = []
@@ -75,21 +75,25 @@ class Transformer(nn.Module):
             trace.put(None, "final_normed_hidden", hidden)
         return ForwardOutput(logits, hidden, torch.cat(targets, dim=-1) if targets else None)
 
-    def begin(self, ids: torch.Tensor, start: int, cache: DecodeCache | None, image_mask: torch.Tensor | None = None):
-        """The 4 replicated streams of ids at positions start.., the first pre-mix, Engram rows and
-        the live-token mask."""
+    def begin(self, ids: torch.Tensor, start: int, cache: DecodeCache | None, image_mask: torch.Tensor | None = None,
+              prefetched: bool = False):
+        """The 4 replicated streams of ids at positions start.., the first pre-mix, Engram row ids
+        (None when `prefetched`: the rows come looked up from elsewhere) and the live-token mask."""
         hc = self.config.text_config.hc_mult
         live = None if image_mask is None else ~image_mask
-        rows = self._engram_rows(ids, live, start, cache)
+        rows = None if prefetched else self._engram_rows(ids, live, start, cache)
         x = self.embed_inputs(ids).unsqueeze(2).repeat(1, 1, hc, 1)
         return x, mhc.first_pre_mix(x, hc), rows, live
 
     def run_layer(self, layer, x, pre_mix, shared: SharedAttention, rows=None, live=None, image_mask=None,
                   targets: list | None = None):
-        """One block (with its Engram) on streams x at positions shared.start.."""
+        """One block (with its Engram) on streams x at positions shared.start.. . `rows` are Engram
+        row ids [b, s, n_tables, n_cols], or the looked-up rows by table index (prefetched)."""
         t, spec = self.config.text_config, layer.spec
         if layer.engram is not None:
-            x = layer.engram(x, rows[:, :, layer.engram.table_index], live)
+            index = layer.engram.table_index
+            looked = rows[index] if isinstance(rows, dict) else layer.engram.embed(rows[:, :, index])
+            x = layer.engram(x, looked, live)
             if shared.trace is not None:
                 shared.trace.put(spec.layer_id, "engram_out", x)
         if spec.dspark_target and targets is not None:
@@ -102,7 +106,7 @@ class Transformer(nn.Module):
         hidden = self.norm(mhc.collapse(x, pre_mix))
         return hidden, numerics.linear(hidden.float(), self.head.weight)
 
-    def _check_span(self, start: int, s: int, cache: DecodeCache | None) -> None:
+    def check_span(self, start: int, s: int, cache: DecodeCache | None) -> None:
         if s == 0:
             raise ValueError("no tokens to run")
         limit = self.config.text_config.max_position_embeddings if cache is None else cache.capacity
