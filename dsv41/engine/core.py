@@ -58,13 +58,7 @@ class InferenceCore:
         """Process a prompt; returns the sequence state and the logits [vocab] at its last token."""
         if mode not in PREFILL_MODES:
             raise ValueError(f"unknown prefill mode {mode!r}; use one of {PREFILL_MODES}")
-        if not ids:
-            raise ValueError("the prompt must hold at least one token")
-        capacity = capacity or len(ids) + 1024
-        limit = self.model.config.text_config.max_position_embeddings
-        if len(ids) > min(capacity, limit):
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context limit of {min(capacity, limit)}")
-        seq = Sequence(DecodeCache.allocate(self.model.config, 1, min(capacity, limit), packed=packed))
+        seq, _ = self.new_sequence(ids, capacity, packed)
         tokens = torch.tensor([ids])
         if mode == "full":
             return seq, self._prefill_full(seq, tokens)
@@ -75,14 +69,30 @@ class InferenceCore:
                             capacity: int | None = None) -> tuple[Sequence, torch.Tensor]:
         """`ced` prefill of ids whose first len(blocks) blocks have stored global KV: the blocks
         are loaded into a packed cache and never rewritten; encoder replay rebuilds SWA state."""
-        cached = len(blocks) * layout.block_tokens
-        if not 0 < cached < len(ids):
-            raise ValueError(f"a prefix of {cached} tokens needs a longer prompt than {len(ids)} tokens")
-        capacity = min(capacity or len(ids) + 1024, self.model.config.text_config.max_position_embeddings)
-        seq = Sequence(DecodeCache.allocate(self.model.config, 1, capacity, packed=True))
-        import_blocks(seq.cache, blocks, layout)
-        seq.cache.ids[:, :cached] = torch.tensor(ids[:cached])
+        seq, cached = self.new_sequence(ids, capacity, True, blocks, layout)
         return seq, self._prefill_ced(seq, torch.tensor([ids]), exact=False, cached=cached)
+
+    def new_sequence(self, ids: list[int], capacity: int | None = None, packed: bool = False,
+                     blocks: list[bytes] = (), layout: BlockLayout | None = None,
+                     layers: set[int] | None = None) -> tuple[Sequence, int]:
+        """A sequence with room for the prompt (+1024 by default), its first len(blocks) blocks of
+        global KV loaded from stored payloads; returns it and the number of cached tokens.
+        `layers` limits the caches to the layers a part of the model runs (a component)."""
+        if not ids:
+            raise ValueError("the prompt must hold at least one token")
+        limit = self.model.config.text_config.max_position_embeddings
+        capacity = min(capacity or len(ids) + 1024, limit)
+        if len(ids) > capacity:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context limit of {capacity} tokens")
+        cached = len(blocks) * layout.block_tokens if blocks else 0
+        if blocks and cached >= len(ids):
+            raise ValueError(f"a prefix of {cached} tokens needs a longer prompt than {len(ids)} tokens")
+        seq = Sequence(DecodeCache.allocate(self.model.config, 1, capacity, packed=packed or bool(blocks),
+                                            layers=layers))
+        if blocks:
+            import_blocks(seq.cache, blocks, layout)
+            seq.cache.ids[:, :cached] = torch.tensor(ids[:cached])
+        return seq, cached
 
     def _chunks(self, n: int):
         for start in range(0, n, self.chunk_size):

@@ -95,14 +95,16 @@ class DecodeCache:
 
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, capacity: int, official_decode_slots: bool = False,
-                 packed: bool = False) -> DecodeCache:
+                 packed: bool = False, layers: set[int] | None = None) -> DecodeCache:
+        """Caches of every backbone layer, or of `layers` only (the part a component runs)."""
         t = config.text_config
         if capacity > t.max_position_embeddings:
             raise ValueError(f"cache capacity {capacity} exceeds the context limit {t.max_position_embeddings}")
         swa, main, index = swa_format(t.head_dim), main_kv_format(t.head_dim), index_k_format(t.index_head_dim)
-        windows = {s.layer_id: EntryStore.allocate(batch, t.sliding_window, swa, packed) for s in config.plan.backbone}
+        specs = [s for s in config.plan.backbone if layers is None or s.layer_id in layers]
+        windows = {s.layer_id: EntryStore.allocate(batch, t.sliding_window, swa, packed) for s in specs}
         groups = {}
-        for s in config.plan.backbone:
+        for s in specs:
             if s.mode is not Mode.FULL:
                 continue
             n, state = capacity // s.ratio, (batch, s.ratio, t.head_dim)

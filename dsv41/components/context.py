@@ -1,0 +1,70 @@
+"""What every component is given: its pipeline, the resolved endpoints, and how to build the model.
+
+Components of one pipeline build the same weights (the same seed, or the same checkpoint), so the
+encoder and decoder processes hold the two halves of one model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from dsv41.components.runtime import Peer
+from dsv41.config import ModelConfig, load_config
+from dsv41.model.transformer import Transformer
+from dsv41.pipelines.schema import Pipeline
+
+COMPONENTS = ("kvstore", "tokenizer", "decoder", "encoder", "engram", "dspark")  # dependency order
+
+
+@dataclass
+class ComponentContext:
+    pipeline: Pipeline
+    endpoints: dict[str, str]
+    runtime_dir: Path
+
+    @property
+    def keys_dir(self) -> Path | None:
+        keys = self.pipeline.security.keys_dir
+        return Path(keys).expanduser() if keys else None
+
+    def option(self, component: str, key: str, default):
+        return self.pipeline.components[component].options.get(key, default)
+
+    def peer(self, name: str, timeout_s: float | None = None) -> Peer:
+        return Peer(self.endpoints[name], name, self.keys_dir,
+                    timeout_s=timeout_s or self.pipeline.generation.request_timeout_s)
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        spec = self.pipeline.model
+        if spec.checkpoint:
+            from dsv41.checkpoint import load_any_config
+
+            return load_any_config(Path(spec.checkpoint).expanduser() / "config.json")[0]
+        if spec.config.endswith(".json"):
+            from dsv41.checkpoint import load_any_config
+
+            return load_any_config(Path(spec.config).expanduser())[0]
+        return load_config(spec.config)
+
+    @property
+    def weights_revision(self) -> str:
+        """What identifies the weights in prefix-cache keys."""
+        spec = self.pipeline.model
+        if spec.checkpoint:
+            files = sorted(Path(spec.checkpoint).expanduser().glob("*.safetensors"))
+            return "checkpoint:" + ",".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
+        return f"random:{spec.config}:{spec.seed}"
+
+    def build_model(self) -> Transformer:
+        from dsv41.model.reference import random_model
+
+        spec = self.pipeline.model
+        model = random_model(self.config, spec.seed)
+        if spec.checkpoint:
+            from dsv41.checkpoint import load_weights, weight_files
+
+            load_weights(model, weight_files(Path(spec.checkpoint).expanduser()))
+        return model

@@ -1,0 +1,88 @@
+"""decoder: layers 20..39 and the head.
+
+A `ced`/`exact` prefill arrives as the decoder group's global KV (packed entries projected by the
+encoder) plus the encoder output from where the decoder replay starts; decode steps and
+verification arrive as the encoder output of the new tokens. Returns logits and, for steps,
+DSpark's input (mean over hc copies of the streams entering the target layers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41 import messages as m
+from dsv41.components.context import ComponentContext
+from dsv41.components.runtime import Component, Reply
+from dsv41.config import Part
+from dsv41.engine.core import InferenceCore, Sequence
+from dsv41.model.cache import DecodeCache
+
+
+class DecoderComponent(Component):
+    name = "decoder"
+    accepts = frozenset({m.KIND.DECODER_PREFILL, m.KIND.DECODER_STEP, m.KIND.RELEASE})
+
+    def __init__(self, context: ComponentContext):
+        super().__init__()
+        model = context.build_model()
+        self.core = InferenceCore(model, context.pipeline.generation.chunk_size)
+        plan = model.config.plan
+        self.layers = {s.layer_id for s in plan.backbone if s.part is Part.DECODER}
+        self.group = plan.decoder_start
+        self.sequences: dict[int, Sequence] = {}
+
+    @torch.inference_mode()
+    def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
+        match message:
+            case m.DecoderPrefill():
+                reply(*self._prefill(message, frames))
+            case m.DecoderStep():
+                reply(*self._step(message, frames))
+            case m.Release():
+                self.sequences.pop(message.request_id, None)
+                reply(m.Ack(request_id=message.request_id))
+
+    def _allocate(self, rid: int, capacity: int) -> Sequence:
+        if rid in self.sequences:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"request {rid} already has a sequence")
+        cache = DecodeCache.allocate(self.core.model.config, 1, capacity, packed=True, layers=self.layers)
+        self.sequences[rid] = seq = Sequence(cache)
+        return seq
+
+    def _prefill(self, message: m.DecoderPrefill, frames: list[memoryview]):
+        n = message.length
+        if len(message.starts) != len(self.core.decoder) or not 0 < n <= message.capacity:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(message.starts)} layer starts for "
+                                 f"{len(self.core.decoder)} layers, length {n}, capacity {message.capacity}")
+        seq = self._allocate(message.request_id, message.capacity)
+        group = seq.cache.groups[self.group]
+        for store, descriptor in ((group.main_kv, message.main_kv), (group.index_k, message.index_k)):
+            rows = m.tensor(descriptor, frames)
+            if rows.dtype != store.data.dtype or rows.shape[1:] != store.data.shape[2:] or rows.size(0) != n:
+                raise m.MessageError(m.ErrorCode.BAD_TENSOR, f"global KV of {descriptor.dtype} {descriptor.shape}; "
+                                     f"expected uint8 [{n}, {store.data.size(2)}]")
+            store.data[0, :n] = rows
+        x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
+        logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n)
+        return self._answer(message.request_id, seq, logits.unsqueeze(0), None)
+
+    def _step(self, message: m.DecoderStep, frames: list[memoryview]):
+        rid = message.request_id
+        seq = self._allocate(rid, message.capacity) if message.capacity else self.sequences.get(rid)
+        if seq is None:
+            raise m.MessageError(m.ErrorCode.UNKNOWN_REQUEST, f"no sequence for request {rid} "
+                                 "(never prefilled, released, or lost in a restart)")
+        if message.start != seq.cache.length:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"step at position {message.start}, but the "
+                                 f"sequence holds {seq.cache.length} positions")
+        x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
+        logits, hidden = self.core.decode_streams(seq, x, pre_mix, message.start)
+        return self._answer(rid, seq, logits, hidden)
+
+    def _answer(self, rid: int, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor | None):
+        out = m.Frames()
+        c = seq.counters
+        answer = m.Logits(request_id=rid, logits=out.add(logits), main_hidden=out.add(hidden) if hidden is not None
+                          else None, replayed_layer_tokens=c.replayed_layer_tokens,
+                          decoder_layer_tokens=c.decoder_layer_tokens)
+        return answer, out

@@ -1,0 +1,226 @@
+"""encoder: layers 0..19 and the CED projection of the decoder's global KV.
+
+Prefill: look up the longest stored prefix (kvstore), load its global KV, replay its last W tokens
+through the encoder (SWA state), run the new tokens, store the new complete blocks, and hand the
+decoder its global KV group plus the encoder output of the positions its replay starts from.
+Decode: run the new tokens through layers 0..19 and pass the streams on. Any kvstore failure is a
+cache miss (recompute), never a failed request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from dsv41 import messages as m
+from dsv41.components.context import ComponentContext
+from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
+from dsv41.config import Part
+from dsv41.engine.core import InferenceCore, Sequence
+from dsv41.model.cache import export_blocks
+from dsv41.storage.blockfmt import BlockLayout
+
+STORE_TIMEOUT_S = 30.0
+
+
+class EngramMailbox:
+    """Prefetched Engram rows by request, filled by the I/O thread, taken by the compute loop."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._rows: dict[int, list[tuple[int, torch.Tensor, float]]] = {}
+        self._changed = threading.Condition()
+        self.waited_s = 0.0
+        self.leads_s: list[float] = []  # need time - arrival time, per take (negative: late)
+
+    def put(self, message: m.EngramRows, frames: list[memoryview]) -> None:
+        rows = m.tensor(message.rows, frames)
+        with self._changed:
+            self._rows.setdefault(message.request_id, []).append((message.start, rows, time.monotonic()))
+            self._changed.notify_all()
+
+    def take(self, request_id: int, start: int, end: int) -> dict[int, torch.Tensor]:
+        """Rows of positions start..end-1 by table index [1, s, n_cols, head_dim]; waits for them."""
+        need, deadline = time.monotonic(), time.monotonic() + self.timeout_s
+        with self._changed:
+            while (found := self._find(request_id, start, end)) is None:
+                if not self._changed.wait(deadline - time.monotonic()):
+                    raise ComponentError(m.ErrorCode.UNAVAILABLE, "engram", f"rows for positions {start}..{end - 1} "
+                                         f"did not arrive within {self.timeout_s:.0f} s")
+        first, rows, arrived = found
+        self.waited_s += max(0.0, time.monotonic() - need)
+        self.leads_s.append(need - arrived)
+        part = rows[:, start - first : end - first]
+        return {i: part[i].unsqueeze(0) for i in range(part.size(0))}
+
+    def _find(self, request_id: int, start: int, end: int):
+        for first, rows, arrived in self._rows.get(request_id, []):
+            if first <= start and end <= first + rows.size(1):
+                return first, rows, arrived
+        return None
+
+    def drop(self, request_id: int) -> None:
+        with self._changed:
+            self._rows.pop(request_id, None)
+
+
+class EncoderComponent(Component):
+    name = "encoder"
+    accepts = frozenset({m.KIND.PREFILL, m.KIND.STEP, m.KIND.RELEASE})
+    early = frozenset({m.KIND.ENGRAM_ROWS})
+
+    def __init__(self, context: ComponentContext):
+        super().__init__()
+        model = context.build_model()
+        self.core = InferenceCore(model, context.pipeline.generation.chunk_size)
+        plan = model.config.plan
+        self.layers = {s.layer_id for s in plan.backbone if s.part is Part.ENCODER} | {plan.decoder_start}
+        self.decoder_group = plan.decoder_start
+        self.layout = BlockLayout.of(model.config, context.pipeline.store.block_tokens)
+        self.limit = model.config.text_config.max_position_embeddings
+        self.mailbox = EngramMailbox(float(context.option("engram", "rows_timeout_s", 30.0)))
+        self.sequences: dict[int, Sequence] = {}
+        self.decoder = context.peer("decoder")
+        self.kvstore = context.peer("kvstore", timeout_s=STORE_TIMEOUT_S)
+
+    def deliver(self, message: m.Message, frames: list[memoryview]) -> None:
+        self.mailbox.put(message, frames)
+
+    def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
+        match message:
+            case m.Prefill():
+                self._prefill(message, reply)
+            case m.Step():
+                self._step(message, reply)
+            case m.Release():
+                self._release(message.request_id)
+                reply(m.Ack(request_id=message.request_id))
+
+    # --- prefill ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _prefill(self, message: m.Prefill, reply: Reply) -> None:
+        rid, ids = message.request_id, m.unpack_ids(message.ids)
+        self._check_prompt(rid, ids, message.capacity)
+        keys, blocks = self._load_prefix(ids) if message.mode == "ced" else ([], [])
+        seq, cached = self.core.new_sequence(ids, message.capacity or None, True, blocks, self.layout, self.layers)
+        self.sequences[rid] = seq
+        waited = self.mailbox.waited_s
+        rows_for = (lambda start, end: self.mailbox.take(rid, start, end)) if message.engram_prefetch else None
+        if message.mode == "full":
+            logits = self._prefill_full(rid, seq, ids, rows_for)
+        else:
+            logits = self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for)
+            self._store_blocks(seq, keys, len(blocks))
+        c = seq.counters
+        reply(m.Logits(request_id=rid, logits=logits.logits, main_hidden=logits.main_hidden,
+                       cached_tokens=cached, encoder_layer_tokens=c.encoder_layer_tokens,
+                       replayed_layer_tokens=c.replayed_layer_tokens + logits.replayed_layer_tokens,
+                       decoder_layer_tokens=logits.decoder_layer_tokens,
+                       engram_wait_s=self.mailbox.waited_s - waited), self._last_frames)
+
+    def _check_prompt(self, rid: int, ids: list[int], capacity: int) -> None:
+        limit = min(capacity or self.limit, self.limit)
+        if not ids or len(ids) > limit:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"a prompt of {len(ids)} tokens does not fit: it needs "
+                                 f"1..{limit} tokens (the context limit)")
+        if rid in self.sequences:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"request {rid} already has a sequence")
+
+    def _prefill_ced(self, rid, seq: Sequence, ids: list[int], exact: bool, cached: int, rows_for) -> m.Logits:
+        x, pre_mix, starts = self.core.encode_prompt(seq, torch.tensor([ids]), exact, cached, rows_for)
+        group, n = seq.cache.groups[self.decoder_group], len(ids)
+        out = m.Frames()
+        request = m.DecoderPrefill(
+            request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
+            main_kv=out.add(group.main_kv.data[0, :n]), index_k=out.add(group.index_k.data[0, :n]),
+            streams=out.add(x), pre_mix=out.add(pre_mix))
+        return self._decoder_call(request, out)
+
+    def _prefill_full(self, rid, seq: Sequence, ids: list[int], rows_for) -> m.Logits:
+        """Every chunk through the encoder, then through the decoder (which computes its own KV)."""
+        for start in range(0, len(ids), self.core.chunk_size):
+            chunk = ids[start : start + self.core.chunk_size]
+            rows = rows_for(start, start + len(chunk)) if rows_for else None
+            logits = self._forward(rid, seq, chunk, rows, first=start == 0)
+        return logits
+
+    def _forward(self, rid: int, seq: Sequence, tokens: list[int], rows, first: bool = False) -> m.Logits:
+        start = seq.cache.length
+        x, pre_mix = self.core.encode_tokens(seq, tokens, rows)
+        out = m.Frames()
+        request = m.DecoderStep(request_id=rid, start=start, streams=out.add(x), pre_mix=out.add(pre_mix),
+                                capacity=seq.cache.capacity if first else 0)
+        return self._decoder_call(request, out)
+
+    def _decoder_call(self, request: m.Message, out: m.Frames) -> m.Logits:
+        """Call the decoder; keeps its reply's frames to forward them unchanged."""
+        answer, frames = self.decoder.call(request, out)
+        logits = m.tensor(answer.logits, frames)
+        hidden = m.tensor(answer.main_hidden, frames) if answer.main_hidden is not None else None
+        self._last_frames = m.Frames()
+        return m.Logits(request_id=answer.request_id, logits=self._last_frames.add(logits),
+                        main_hidden=self._last_frames.add(hidden) if hidden is not None else None,
+                        replayed_layer_tokens=answer.replayed_layer_tokens,
+                        decoder_layer_tokens=answer.decoder_layer_tokens)
+
+    # --- the persistent prefix cache ---------------------------------------------------------------
+    def _load_prefix(self, ids: list[int]) -> tuple[list[bytes], list[bytes]]:
+        """The prompt's block keys and the payloads of its longest stored chain, leaving at least
+        one token to run; a kvstore that fails or is gone gives no keys (nothing stored either)."""
+        try:
+            hit, _ = self.kvstore.call(m.Lookup(request_id=new_request_id(), ids=m.pack_ids(ids)))
+            usable = min(hit.cached_blocks, (len(ids) - 1) // self.layout.block_tokens)
+            if not usable:
+                return hit.keys, []
+            answer, frames = self.kvstore.call(m.GetBlocks(request_id=new_request_id(), keys=hit.keys[:usable]))
+        except ComponentError:
+            self.counters["store_unavailable"] += 1
+            return [], []
+        self.counters["hit_blocks"] += len(answer.payloads)
+        return hit.keys, [bytes(frames[p.frame]) for p in answer.payloads]
+
+    def _store_blocks(self, seq: Sequence, keys: list[bytes], loaded: int) -> None:
+        """Write the prompt's new complete blocks; a full or absent store only costs reuse."""
+        if len(keys) <= loaded:
+            return
+        payloads = export_blocks(seq.cache, self.layout, loaded, len(keys) - loaded)
+        out = m.Frames()
+        descriptors = [out.add(torch.frombuffer(bytearray(p), dtype=torch.uint8)) for p in payloads]
+        try:
+            stored, _ = self.kvstore.call(m.PutBlocks(request_id=new_request_id(), keys=keys[loaded:],
+                                                      payloads=descriptors), out)
+        except ComponentError:
+            self.counters["store_unavailable"] += 1
+            return
+        self.counters["stored_blocks"] += stored.stored
+        self.counters["store_full"] += int(stored.full)
+
+    # --- decode ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _step(self, message: m.Step, reply: Reply) -> None:
+        seq = self.sequences.get(message.request_id)
+        if seq is None:
+            raise m.MessageError(m.ErrorCode.UNKNOWN_REQUEST, f"no sequence for request {message.request_id} "
+                                 "(never prefilled, released, or lost in a restart)")
+        tokens = m.unpack_ids(message.ids)
+        if not tokens or seq.cache.length + len(tokens) > seq.cache.capacity:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(tokens)} tokens do not fit: "
+                                 f"{seq.cache.length} of {seq.cache.capacity} positions used")
+        rows = None
+        if message.engram_prefetch:
+            rows = self.mailbox.take(message.request_id, seq.cache.length, seq.cache.length + len(tokens))
+        reply(self._forward(message.request_id, seq, tokens, rows), self._last_frames)
+
+    def _release(self, request_id: int) -> None:
+        self.sequences.pop(request_id, None)
+        self.mailbox.drop(request_id)
+        try:
+            self.decoder.call(m.Release(request_id=request_id), timeout_s=5.0)
+        except ComponentError:
+            self.counters["release_unconfirmed"] += 1
+
+    def close(self) -> None:
+        self.decoder.close()
+        self.kvstore.close()

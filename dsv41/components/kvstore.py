@@ -1,0 +1,84 @@
+"""kvstore: owns the LMDB global-KV store (and the host SWA pool) and serves the other components.
+
+Only this process opens the store for writing. Lookups hash the prompt's complete blocks and
+return the longest stored chain; reads return block payloads (a copy per block, as tensor
+frames); writes are batched and durable when acknowledged. A full store answers `full=True`
+and stores nothing: the caller has computed the KV anyway, so a full store costs only reuse.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dsv41 import messages as m
+from dsv41.components.context import ComponentContext
+from dsv41.components.runtime import Component, Reply
+from dsv41.storage.blockfmt import BlockLayout
+from dsv41.storage.policy import PrefixCachePolicy
+from dsv41.storage.prefix import Fingerprint
+from dsv41.storage.store import GlobalKVStore, StoreConfig, StoreFullError
+from dsv41.storage.swa_pool import SWAPool
+
+GIB = 2**30
+
+
+def store_path(context: ComponentContext) -> Path:
+    return Path(context.pipeline.store.path.replace("{pipeline}", context.pipeline.name)).expanduser()
+
+
+def open_policy(context: ComponentContext) -> PrefixCachePolicy:
+    spec = context.pipeline.store
+    layout = BlockLayout.of(context.config, spec.block_tokens)
+    store = GlobalKVStore(store_path(context), layout, StoreConfig(capacity_bytes=int(spec.capacity_gib * GIB)))
+    pool = SWAPool(int(spec.swa_pool_gib * GIB), spec.swa_ttl_s)
+    return PrefixCachePolicy(store, pool, Fingerprint.of(context.config, context.weights_revision), spec.block_tokens)
+
+
+class KVStoreComponent(Component):
+    name = "kvstore"
+    accepts = frozenset({m.KIND.LOOKUP, m.KIND.GET_BLOCKS, m.KIND.PUT_BLOCKS})
+
+    def __init__(self, context: ComponentContext):
+        super().__init__()
+        self.policy = open_policy(context)
+        self.store = self.policy.store
+
+    def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
+        rid = message.request_id
+        match message:
+            case m.Lookup():
+                hit = self.policy.lookup(m.unpack_ids(message.ids))
+                self.counters["hit_blocks"] += hit.cached_blocks
+                reply(m.LookupResult(request_id=rid, keys=hit.keys, cached_blocks=hit.cached_blocks,
+                                     block_tokens=self.policy.block_size))
+            case m.GetBlocks():
+                out = m.Frames()
+                payloads = []
+                for key in message.keys:
+                    payload = self.store.get_copy(key)
+                    if payload is None:
+                        break
+                    payloads.append(out.add(torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
+                reply(m.Blocks(request_id=rid, payloads=payloads), out)
+            case m.PutBlocks():
+                reply(self._put(message, frames))
+
+    def _put(self, message: m.PutBlocks, frames: list[memoryview]) -> m.Stored:
+        if len(message.keys) != len(message.payloads):
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(message.keys)} keys for "
+                                 f"{len(message.payloads)} payloads")
+        values = {key: bytes(frames[p.frame]) for key, p in zip(message.keys, message.payloads, strict=True)}
+        try:
+            stored = self.store.put_many(values)
+        except ValueError as e:  # a payload that does not fit the block layout
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, str(e)) from None
+        except StoreFullError:
+            self.counters["store_full"] += 1
+            return m.Stored(request_id=message.request_id, stored=0, full=True)
+        self.counters["stored_blocks"] += stored
+        return m.Stored(request_id=message.request_id, stored=stored)
+
+    def close(self) -> None:
+        self.store.close()

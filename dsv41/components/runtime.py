@@ -1,0 +1,340 @@
+"""The one component runtime: sockets, a serving loop, and calls to other components.
+
+A component binds one ROUTER socket. Its I/O thread owns that socket: it decodes every incoming
+message (a malformed one gets an `Error` reply there and then, and is counted), answers `Ping`
+itself so health checks work while the compute loop is busy, and queues the rest. The compute
+loop only reads that queue and writes replies to an inproc socket that the I/O thread forwards,
+so no socket is ever touched by two threads. A request that makes the component raise fails
+alone with an INTERNAL error; the component keeps serving.
+
+Calls to other components go through a `Peer` (one DEALER per peer, used by one thread): every
+call has a deadline, and a monitor socket turns a peer's disconnect (its process died) into an
+UNAVAILABLE error at once instead of a wait that ZeroMQ would never end.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from dsv41 import messages as m
+from dsv41.components.security import CurveServer, apply_curve_client, check_bind_allowed
+from dsv41.pipelines.schema import endpoint_problem
+
+LINGER_MS = 200
+IPC_PATH_LIMIT = 107
+_ids = itertools.count(int(time.time() * 1000) << 16)
+
+
+def new_request_id() -> int:
+    return next(_ids)
+
+
+class ComponentError(RuntimeError):
+    """An `Error` reply, or a peer that is gone: names the component and the problem."""
+
+    def __init__(self, code: m.ErrorCode, component: str, text: str):
+        super().__init__(f"{component}: {text}")
+        self.code, self.component, self.text = code, component, text
+
+
+class EndpointInUse(RuntimeError):
+    pass
+
+
+def check_endpoint(endpoint: str) -> None:
+    problem = endpoint_problem(endpoint)
+    if problem:
+        raise ValueError(f"Invalid zmq endpoint {endpoint!r}: {problem}")
+
+
+class _IpcLock:
+    """An exclusive lock beside an ipc socket file, taken before bind: a second process binding
+    the same path would otherwise silently take over its traffic."""
+
+    def __init__(self, endpoint: str):
+        self.path = Path(endpoint.removeprefix("ipc://"))
+        if len(str(self.path)) > IPC_PATH_LIMIT:
+            raise ValueError(f"ipc path {self.path} is longer than {IPC_PATH_LIMIT} bytes")
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.fd = os.open(f"{self.path}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise EndpointInUse(f"{endpoint} is bound by another running process (lock {self.path}.lock)") from None
+        self.path.unlink(missing_ok=True)  # a stale socket file left by a killed process
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+        Path(f"{self.path}.lock").unlink(missing_ok=True)
+        os.close(self.fd)
+
+
+def make_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, keys_dir: Path | None = None,
+                curve: CurveServer | None = None) -> zmq.Socket:
+    """Every socket of dsv41 comes from here: size cap, bounded linger, strict routing, deadlines
+    possible on send, CURVE on tcp when keys are configured, loopback-only tcp without them."""
+    check_endpoint(endpoint)
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if kind == zmq.DEALER:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+    tcp = endpoint.startswith("tcp://")
+    if bind:
+        if tcp:
+            check_bind_allowed(endpoint, keys_dir)
+        if curve is not None:
+            curve.apply(sock)
+        sock.bind(endpoint)
+    else:
+        if tcp and keys_dir is not None:
+            apply_curve_client(sock, keys_dir)
+        sock.connect(endpoint)
+    return sock
+
+
+Reply = Callable[[m.Message, "m.Frames | None"], None]
+
+
+class Component:
+    """What a component implements; the runtime does the rest."""
+
+    name = "component"
+    accepts: frozenset[m.KIND] = frozenset()
+    early: frozenset[m.KIND] = frozenset()  # delivered on the I/O thread, even while a request computes
+
+    def __init__(self):
+        self.counters: Counter[str] = Counter()
+
+    def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
+        raise NotImplementedError
+
+    def deliver(self, message: m.Message, frames: list[memoryview]) -> None:
+        """Take an `early` message on the I/O thread (it must not block)."""
+
+    def tick(self) -> bool:
+        """Background work between messages (a scheduler's decode steps); True if any was done."""
+        return False
+
+    def close(self) -> None:
+        """Release what the component holds (stores, files); called once, on shutdown."""
+
+
+class Server:
+    """Serves one component on one endpoint: an I/O thread plus the compute loop (`run`)."""
+
+    def __init__(self, component: Component, endpoint: str, keys_dir: Path | None = None,
+                 ctx: zmq.Context | None = None):
+        self.component, self.endpoint = component, endpoint
+        self.ctx = ctx or zmq.Context.instance()
+        self.stop_event = threading.Event()
+        self.inbox: queue.Queue = queue.Queue()
+        self._out_endpoint = f"inproc://dsv41-out-{id(self)}"
+        self._lock = _IpcLock(endpoint) if endpoint.startswith("ipc://") else None
+        tcp_keys = keys_dir if endpoint.startswith("tcp://") else None
+        self._curve = CurveServer(self.ctx, tcp_keys) if tcp_keys is not None else None
+        try:
+            self._router = make_socket(self.ctx, zmq.ROUTER, endpoint, bind=True, keys_dir=keys_dir, curve=self._curve)
+        except Exception:
+            self._release()
+            raise
+        self._pull = self.ctx.socket(zmq.PULL)
+        self._pull.bind(self._out_endpoint)
+        self._started = time.monotonic()
+        self._io = threading.Thread(target=self._io_loop, name=f"{component.name}-io", daemon=True)
+        self._io.start()
+
+    # --- I/O thread ------------------------------------------------------------------------------
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        while not self.stop_event.is_set():
+            for sock, _ in poller.poll(100):
+                if sock is self._router:
+                    self._receive(self._router.recv_multipart(copy=False))
+                else:
+                    self._forward(self._pull.recv_multipart(copy=False))
+        self._router.close()
+        self._pull.close()
+
+    def _receive(self, parts: list) -> None:
+        counters = self.component.counters
+        if len(parts) < 2:
+            counters["dropped_frames"] += 1
+            return
+        identity, body = parts[0], parts[1:]
+        try:
+            message, frames = m.decode(body, self.component.accepts | self.component.early | {m.KIND.PING})
+        except m.MessageError as e:
+            counters["bad_messages"] += 1
+            self._forward([identity, *m.encode(m.error_reply(0, e.code, self.component.name, str(e)))])
+            return
+        if isinstance(message, m.Ping):
+            self._forward([identity, *m.encode(self._pong(message.request_id))])
+            return
+        if m.KIND_OF[type(message)] in self.component.early:
+            try:
+                self.component.deliver(message, frames)
+            except Exception:  # noqa: BLE001 - one bad delivery must not stop the I/O thread
+                counters["bad_deliveries"] += 1
+            return
+        counters["requests"] += 1
+        self.inbox.put((identity, message, frames))
+
+    def _pong(self, request_id: int) -> m.Pong:
+        counters = {k: int(v) for k, v in self.component.counters.items()}
+        return m.Pong(request_id=request_id, component=self.component.name, pid=os.getpid(),
+                      uptime_s=time.monotonic() - self._started, counters=counters)
+
+    def _forward(self, parts: list) -> None:
+        try:
+            self._router.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # the peer is gone (ROUTER_MANDATORY) or not reading: its loss alone
+            self.component.counters["unroutable_replies"] += 1
+
+    # --- compute loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        """The compute loop, until `stop()`; closes the component on the way out."""
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, LINGER_MS)
+        push.connect(self._out_endpoint)
+        try:
+            while not self.stop_event.is_set():
+                busy = self.component.tick()
+                try:
+                    identity, message, frames = self.inbox.get(timeout=0 if busy else 0.05)
+                except queue.Empty:
+                    continue
+                self._dispatch(push, identity, message, frames)
+        finally:
+            push.close()
+            self.component.close()
+
+    def _dispatch(self, push: zmq.Socket, identity, message: m.Message, frames: list[memoryview]) -> None:
+        def reply(answer: m.Message, out: m.Frames | None = None) -> None:
+            push.send_multipart([identity, *m.encode(answer, out)], copy=False)
+
+        try:
+            self.component.handle(message, frames, reply)
+        except m.MessageError as e:
+            reply(m.error_reply(m.request_id_of(message), e.code, self.component.name, str(e)))
+        except ComponentError as e:
+            reply(m.error_reply(m.request_id_of(message), e.code, e.component, e.text))
+        except Exception as e:  # noqa: BLE001 - a failing request fails alone
+            self.component.counters["internal_errors"] += 1
+            reply(m.error_reply(m.request_id_of(message), m.ErrorCode.INTERNAL, self.component.name,
+                                f"{type(e).__name__}: {e}"))
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def join(self, timeout: float = 5.0) -> None:
+        self._io.join(timeout)
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self._curve is not None:
+            self._curve.stop()
+            self._curve = None
+
+
+class Peer:
+    """Calls to one component, from one thread: request/reply with a deadline, or a stream."""
+
+    def __init__(self, endpoint: str, name: str, keys_dir: Path | None = None, timeout_s: float = 600.0,
+                 ctx: zmq.Context | None = None):
+        self.name, self.endpoint, self.timeout_s = name, endpoint, timeout_s
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = make_socket(self.ctx, zmq.DEALER, endpoint, bind=False, keys_dir=keys_dir)
+        self.sock.setsockopt(zmq.SNDTIMEO, 1000)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) \
+            if not endpoint.startswith("inproc://") else None
+
+    def send(self, message: m.Message, frames: m.Frames | None = None) -> None:
+        self._drain_monitor()
+        try:
+            self.sock.send_multipart(m.encode(message, frames), copy=False)
+        except zmq.Again:
+            raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name,
+                                 f"not reachable at {self.endpoint} (no connection within 1 s)") from None
+
+    def call(self, message: m.Message, frames: m.Frames | None = None,
+             timeout_s: float | None = None) -> tuple[m.Message, list[memoryview]]:
+        self.send(message, frames)
+        return self.receive(message.request_id, timeout_s)
+
+    def receive(self, request_id: int, timeout_s: float | None = None) -> tuple[m.Message, list[memoryview]]:
+        """The next reply to request_id; raises ComponentError for an Error reply, a disconnect or
+        the deadline. Replies to other (earlier, abandoned) requests are dropped."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.monitor is not None:
+            poller.register(self.monitor, zmq.POLLIN)
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(min(left, 1.0) * 1000))
+            if self.monitor is not None and self.monitor in ready and self._drain_monitor():
+                raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name, "disconnected while answering "
+                                     "(the component died or restarted)")
+            if self.sock in ready:
+                reply = self._take(request_id)
+                if reply is not None:
+                    return reply
+        raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name,
+                             f"no reply within {timeout_s or self.timeout_s:.1f} s")
+
+    def _take(self, request_id: int):
+        try:
+            message, frames = m.decode(self.sock.recv_multipart(copy=False))
+        except m.MessageError as e:
+            raise ComponentError(e.code, self.name, f"sent an unreadable reply: {e}") from None
+        if isinstance(message, m.Error) and message.request_id in (request_id, 0):
+            raise ComponentError(message.code, message.component, message.text)
+        return (message, frames) if m.request_id_of(message) == request_id else None
+
+    def stream(self, message: m.Message, timeout_s: float | None = None) -> Iterator[m.Message]:
+        """Replies to one request until a `Finished` (inclusive)."""
+        self.send(message)
+        while True:
+            reply, _ = self.receive(message.request_id, timeout_s)
+            yield reply
+            if isinstance(reply, m.Finished):
+                return
+
+    def _drain_monitor(self) -> bool:
+        """Consume pending monitor events; True if the peer disconnected."""
+        if self.monitor is None:
+            return False
+        gone = False
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())
+            gone |= event["event"] == zmq.EVENT_DISCONNECTED
+        return gone
+
+    def ping(self, timeout_s: float = 2.0) -> m.Pong:
+        pong, _ = self.call(m.Ping(request_id=new_request_id()), timeout_s=timeout_s)
+        return pong
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+        self.sock.close(0)

@@ -1,0 +1,423 @@
+"""Every message the components exchange, and the one way to put them on and take them off the wire.
+
+A message is `[kind, body, *tensor frames]`: `kind` is one byte naming the struct, `body` its
+msgpack encoding, and each tensor travels as its own frame described in the body by a `Tensor`
+(dtype from a whitelist, shape, frame index, byte length), so large activations are never copied
+into msgpack and never pickled. `decode` is the only way in: it turns every malformed, oversized,
+mistyped or inconsistent message into a `MessageError` whose text names the problem, so a receiver
+answers with an `Error` and keeps serving.
+
+Wire evolution: new fields go last with defaults; `PROTOCOL_VERSION` changes when that is not enough.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+import torch
+
+PROTOCOL_VERSION = 1
+MAX_FRAMES = 64
+MAX_DIMS = 8
+MAX_TENSOR_BYTES = 1 << 31
+MAX_MESSAGE_BYTES = 1 << 31  # ZMQ_MAXMSGSIZE on every socket
+MAX_TOKENS = 1 << 20  # the longest context of the architecture
+MAX_TEXT = 1 << 24
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e8m0fnu": torch.float8_e8m0fnu,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
+TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOKENS)]  # int32 little-endian ids
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+Counters = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Count], msgspec.Meta(max_length=256)]
+
+
+class MessageError(ValueError):
+    """A message that cannot be accepted; `code` says which rule it broke."""
+
+    def __init__(self, code: ErrorCode, text: str):
+        super().__init__(text)
+        self.code = code
+
+
+class ErrorCode(IntEnum):
+    MALFORMED = 1  # not a message: bad frames, bad msgpack, wrong fields
+    UNEXPECTED = 2  # a valid message this receiver does not take
+    BAD_TENSOR = 3  # tensor descriptor and frames disagree, or a dtype off the whitelist
+    VERSION = 4  # another protocol version
+    INVALID_REQUEST = 5  # well-formed, but not servable (prompt over the context limit, ...)
+    UNKNOWN_REQUEST = 6  # a request id this component holds no state for (e.g. after a restart)
+    UNAVAILABLE = 7  # a component this request needs died or did not answer in time
+    INTERNAL = 8  # the component failed on this request
+    SHUTTING_DOWN = 9
+
+
+class FinishReason(IntEnum):
+    LENGTH = 0
+    EOS = 1
+    ERROR = 2
+
+
+class Tensor(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True):
+    """Where a tensor is: frame `frame` holds `nbytes` bytes of `dtype` in C order, `shape`."""
+
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]], msgspec.Meta(max_length=MAX_DIMS)]
+    frame: Annotated[int, msgspec.Meta(ge=0, lt=MAX_FRAMES)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_TENSOR_BYTES)]
+
+
+class Message(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True, kw_only=True):
+    version: int = PROTOCOL_VERSION
+
+
+# --- control ------------------------------------------------------------------------------------
+
+class Error(Message):
+    request_id: RequestId
+    code: ErrorCode
+    component: ShortText
+    text: ShortText
+
+
+class Ping(Message):
+    request_id: RequestId
+
+
+class Pong(Message):
+    request_id: RequestId
+    component: ShortText
+    pid: int
+    uptime_s: float
+    counters: Counters = {}
+
+
+class Release(Message):
+    """Free every piece of state held for a request (finished, failed or abandoned)."""
+
+    request_id: RequestId
+
+
+class Ack(Message):
+    request_id: RequestId
+
+
+# --- client <-> dspark, dspark <-> tokenizer --------------------------------------------------------
+
+class Generate(Message):
+    request_id: RequestId
+    prompt: Text = ""
+    ids: TokenBytes = b""  # used instead of the prompt when not empty
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 64
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
+    prefill_mode: Annotated[str, msgspec.Meta(pattern="^(ced|exact|full)$")] = "ced"
+    stop_at_eos: bool = True
+    images: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+
+
+class TokenEvent(Message):
+    request_id: RequestId
+    token: int
+    text: Text
+
+
+class Finished(Message):
+    request_id: RequestId
+    reason: FinishReason
+    prompt_tokens: Count
+    generated_tokens: Count
+    cached_tokens: Count  # prompt tokens whose global KV came from the store
+    replayed_layer_tokens: Count
+    encoder_layer_tokens: Count
+    ttft_s: float
+    decode_s: float
+    engram_wait_s: float = 0.0
+
+
+class Tokenize(Message):
+    request_id: RequestId
+    text: Text
+    images: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+
+
+class Tokens(Message):
+    request_id: RequestId
+    ids: TokenBytes
+
+
+class Detokenize(Message):
+    request_id: RequestId
+    ids: TokenBytes
+
+
+class Detokenized(Message):
+    request_id: RequestId
+    text: Text
+
+
+# --- dspark -> encoder -> decoder -------------------------------------------------------------------
+
+class Prefill(Message):
+    request_id: RequestId
+    ids: TokenBytes
+    mode: Annotated[str, msgspec.Meta(pattern="^(ced|exact|full)$")] = "ced"
+    capacity: Count = 0  # cache positions to reserve; 0: prompt + a default margin
+    engram_prefetch: bool = False  # rows arrive from the engram component
+
+
+class Step(Message):
+    """1..k new tokens (k > 1: verification of drafted tokens)."""
+
+    request_id: RequestId
+    ids: TokenBytes
+    engram_prefetch: bool = False
+
+
+class DecoderPrefill(Message):
+    """Encoder -> decoder: the decoder group's global KV for positions [0, length) (packed
+    entries), and the encoder output streams the decoder replay starts from."""
+
+    request_id: RequestId
+    length: Count
+    capacity: Count
+    starts: Annotated[list[Count], msgspec.Meta(max_length=64)]  # first position per decoder layer
+    kv_from: Count  # first entry in main_kv/index_k (entries before it are already there)
+    main_kv: Tensor
+    index_k: Tensor
+    streams: Tensor  # [1, s, hc, dim] encoder output at positions length - s .. length - 1
+    pre_mix: Tensor
+
+
+class DecoderStep(Message):
+    request_id: RequestId
+    start: Count
+    streams: Tensor
+    pre_mix: Tensor
+    capacity: Count = 0  # > 0: first chunk of a `full` prefill; allocate the sequence with this capacity
+
+
+class Logits(Message):
+    """Logits of the last prompt token (prefill) or of each step token, plus DSpark's input."""
+
+    request_id: RequestId
+    logits: Tensor  # [k, vocab] fp32
+    main_hidden: Tensor | None = None  # [k, 3 * dim]: mean over hc of the streams entering 37-39
+    cached_tokens: Count = 0
+    replayed_layer_tokens: Count = 0
+    encoder_layer_tokens: Count = 0
+    decoder_layer_tokens: Count = 0
+    engram_wait_s: float = 0.0
+
+
+# --- engram ------------------------------------------------------------------------------------------
+
+class EngramPrefetch(Message):
+    """Compute the Engram rows of ids at positions start.. and push them to the encoder."""
+
+    request_id: RequestId
+    ids: TokenBytes  # tokens from position `offset` on (the n-grams look back a few positions)
+    offset: Count
+    start: Count
+
+
+class EngramRows(Message):
+    request_id: RequestId
+    start: Count
+    rows: Tensor  # [n_engram_layers, s, n_cols, head_dim] bf16, looked-up table rows
+    sent_at: float  # time.time() when pushed, to measure the lead over the encoder's need
+
+
+# --- kvstore -----------------------------------------------------------------------------------------
+
+Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_TOKENS // 16)]
+
+
+class Lookup(Message):
+    request_id: RequestId
+    ids: TokenBytes
+
+
+class LookupResult(Message):
+    request_id: RequestId
+    keys: Keys
+    cached_blocks: Count
+    block_tokens: Count
+
+
+class GetBlocks(Message):
+    request_id: RequestId
+    keys: Keys
+
+
+class Blocks(Message):
+    """Payloads of the first len(payloads) keys asked for (stops at the first miss)."""
+
+    request_id: RequestId
+    payloads: Annotated[list[Tensor], msgspec.Meta(max_length=MAX_FRAMES - 2)]
+
+
+class PutBlocks(Message):
+    request_id: RequestId
+    keys: Keys
+    payloads: Annotated[list[Tensor], msgspec.Meta(max_length=MAX_FRAMES - 2)]
+
+
+class Stored(Message):
+    request_id: RequestId
+    stored: Count
+    full: bool = False
+
+
+class KIND(IntEnum):
+    ERROR = 1
+    PING = 2
+    PONG = 3
+    RELEASE = 4
+    ACK = 5
+    GENERATE = 10
+    TOKEN = 11
+    FINISHED = 12
+    TOKENIZE = 13
+    TOKENS = 14
+    DETOKENIZE = 15
+    DETOKENIZED = 16
+    PREFILL = 20
+    STEP = 21
+    DECODER_PREFILL = 22
+    DECODER_STEP = 23
+    LOGITS = 24
+    ENGRAM_PREFETCH = 30
+    ENGRAM_ROWS = 31
+    LOOKUP = 40
+    LOOKUP_RESULT = 41
+    GET_BLOCKS = 42
+    BLOCKS = 43
+    PUT_BLOCKS = 44
+    STORED = 45
+
+
+TYPES: dict[KIND, type[Message]] = {
+    KIND.ERROR: Error, KIND.PING: Ping, KIND.PONG: Pong, KIND.RELEASE: Release, KIND.ACK: Ack,
+    KIND.GENERATE: Generate, KIND.TOKEN: TokenEvent, KIND.FINISHED: Finished, KIND.TOKENIZE: Tokenize,
+    KIND.TOKENS: Tokens, KIND.DETOKENIZE: Detokenize, KIND.DETOKENIZED: Detokenized,
+    KIND.PREFILL: Prefill, KIND.STEP: Step, KIND.DECODER_PREFILL: DecoderPrefill, KIND.DECODER_STEP: DecoderStep,
+    KIND.LOGITS: Logits, KIND.ENGRAM_PREFETCH: EngramPrefetch, KIND.ENGRAM_ROWS: EngramRows,
+    KIND.LOOKUP: Lookup, KIND.LOOKUP_RESULT: LookupResult, KIND.GET_BLOCKS: GetBlocks, KIND.BLOCKS: Blocks,
+    KIND.PUT_BLOCKS: PutBlocks, KIND.STORED: Stored,
+}
+KIND_OF = {t: k for k, t in TYPES.items()}
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {k: msgspec.msgpack.Decoder(t) for k, t in TYPES.items()}
+_TENSOR_FIELDS = {
+    t: [f.name for f in msgspec.structs.fields(t) if "Tensor" in str(f.type)] for t in TYPES.values()
+}
+
+
+class Frames:
+    """Collects the tensor frames of one outgoing message; `add` returns the descriptor to put in it."""
+
+    def __init__(self):
+        self.buffers: list[memoryview] = []
+        self._keep: list[torch.Tensor] = []  # the memory the buffers view, alive until sent
+
+    def add(self, tensor: torch.Tensor) -> Tensor:
+        if tensor.dtype not in DTYPE_NAMES:
+            raise MessageError(ErrorCode.BAD_TENSOR, f"dtype {tensor.dtype} cannot be sent")
+        flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        self._keep.append(flat)
+        self.buffers.append(memoryview(flat.numpy()))
+        return Tensor(DTYPE_NAMES[tensor.dtype], list(tensor.shape), len(self.buffers) - 1, flat.numel())
+
+
+def encode(message: Message, frames: Frames | None = None) -> list:
+    """Wire frames of a message: [kind byte, msgpack body, *tensor buffers] (buffers not copied)."""
+    return [bytes([KIND_OF[type(message)]]), _ENCODER.encode(message), *(frames.buffers if frames else [])]
+
+
+def decode(parts: list, accept: frozenset[KIND] | None = None) -> tuple[Message, list[memoryview]]:
+    """Check and decode wire frames; returns the message and its tensor frames.
+    Raises MessageError, and nothing else, for anything that does not fit."""
+    if len(parts) < 2 or len(parts) > MAX_FRAMES + 2:
+        raise MessageError(ErrorCode.MALFORMED, f"a message has 2..{MAX_FRAMES + 2} frames, got {len(parts)}")
+    head, body, *tensors = (memoryview(p.buffer if hasattr(p, "buffer") else p) for p in parts)
+    if len(head) != 1 or head[0] not in _DECODERS:
+        raise MessageError(ErrorCode.MALFORMED, f"unknown message kind frame {bytes(head[:8])!r}")
+    kind = KIND(head[0])
+    if accept is not None and kind not in accept:
+        raise MessageError(ErrorCode.UNEXPECTED, f"this component does not take {TYPES[kind].__name__} messages")
+    try:
+        message = _DECODERS[kind].decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
+        raise MessageError(ErrorCode.MALFORMED, f"malformed {TYPES[kind].__name__}: {e}") from None
+    if message.version != PROTOCOL_VERSION:
+        raise MessageError(ErrorCode.VERSION, f"protocol version {message.version}, this side speaks "
+                                              f"{PROTOCOL_VERSION}")
+    _check_tensors(message, tensors)
+    return message, tensors
+
+
+def _descriptors(message: Message) -> list[Tensor]:
+    out = []
+    for name in _TENSOR_FIELDS[type(message)]:
+        value = getattr(message, name)
+        out += value if isinstance(value, list) else [value] if value is not None else []
+    return out
+
+
+def _check_tensors(message: Message, frames: list[memoryview]) -> None:
+    """Every descriptor names its own frame, the frame holds exactly shape x itemsize bytes of a
+    whitelisted dtype, and no frame is left over; nothing is allocated from claimed sizes."""
+    descriptors = _descriptors(message)
+    used = sorted(d.frame for d in descriptors)
+    if used != list(range(len(frames))):
+        raise MessageError(ErrorCode.BAD_TENSOR, f"{type(message).__name__} describes frames {used} "
+                                                 f"but carries {len(frames)} tensor frames")
+    for d in descriptors:
+        dtype = DTYPES.get(d.dtype)
+        if dtype is None:
+            raise MessageError(ErrorCode.BAD_TENSOR, f"dtype {d.dtype!r} is not one of {sorted(DTYPES)}")
+        expected = int(np.prod(d.shape, dtype=object)) * dtype.itemsize
+        if expected != d.nbytes or d.nbytes != frames[d.frame].nbytes:
+            raise MessageError(ErrorCode.BAD_TENSOR, f"tensor of {d.dtype} {d.shape} needs {expected} bytes; "
+                                                     f"described {d.nbytes}, frame holds {frames[d.frame].nbytes}")
+
+
+def tensor(descriptor: Tensor, frames: list[memoryview]) -> torch.Tensor:
+    """The tensor a checked descriptor names (a copy: the receive buffers are not kept alive)."""
+    data = frames[descriptor.frame]
+    flat = torch.tensor(np.frombuffer(data, dtype=np.uint8)) if data.nbytes else torch.empty(0, dtype=torch.uint8)
+    return flat.view(DTYPES[descriptor.dtype]).reshape(descriptor.shape)
+
+
+def pack_ids(ids: list[int] | torch.Tensor) -> bytes:
+    array = np.asarray(ids.tolist() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
+    if array.size and (array.min() < 0 or array.max() >= 1 << 31):
+        raise MessageError(ErrorCode.INVALID_REQUEST, "token ids must be in [0, 2^31)")
+    return array.astype("<i4").tobytes()
+
+
+def unpack_ids(data: bytes) -> list[int]:
+    if len(data) % 4:
+        raise MessageError(ErrorCode.MALFORMED, f"token id bytes must be a multiple of 4, got {len(data)}")
+    return np.frombuffer(data, dtype="<i4").tolist()
+
+
+def error_reply(request_id: int, code: ErrorCode, component: str, text: str) -> Error:
+    return Error(request_id=request_id, code=code, component=component, text=text[:4000])
+
+
+def request_id_of(message: Any) -> int:
+    return getattr(message, "request_id", 0)
