@@ -64,6 +64,8 @@ class DecoderComponent(Component):
             store.data[0, :n] = rows
         x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
         logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n)
+        self.counters.update(prefills=1, replayed_layer_tokens=seq.counters.replayed_layer_tokens,
+                             decoder_layer_tokens=seq.counters.decoder_layer_tokens)
         return self._answer(message.request_id, seq, logits.unsqueeze(0), None)
 
     def _step(self, message: m.DecoderStep, frames: list[memoryview]):
@@ -77,6 +79,7 @@ class DecoderComponent(Component):
                                  f"sequence holds {seq.cache.length} positions")
         x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
         logits, hidden = self.core.decode_streams(seq, x, pre_mix, message.start)
+        self.counters.update(step_tokens=x.size(1), decoder_layer_tokens=x.size(1) * len(self.core.decoder))
         return self._answer(rid, seq, logits, hidden)
 
     def _answer(self, rid: int, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor | None):

@@ -80,7 +80,7 @@ class EncoderComponent(Component):
         self.decoder_group = plan.decoder_start
         self.layout = BlockLayout.of(model.config, context.pipeline.store.block_tokens)
         self.limit = model.config.text_config.max_position_embeddings
-        self.mailbox = EngramMailbox(float(context.option("engram", "rows_timeout_s", 30.0)))
+        self.mailbox = EngramMailbox(float(context.option("engram", "rows_timeout_s", 5.0)))
         self.sequences: dict[int, Sequence] = {}
         self.decoder = context.peer("decoder")
         self.kvstore = context.peer("kvstore", timeout_s=STORE_TIMEOUT_S)
@@ -107,13 +107,15 @@ class EncoderComponent(Component):
         seq, cached = self.core.new_sequence(ids, message.capacity or None, True, blocks, self.layout, self.layers)
         self.sequences[rid] = seq
         waited = self.mailbox.waited_s
-        rows_for = (lambda start, end: self.mailbox.take(rid, start, end)) if message.engram_prefetch else None
+        rows_for = (lambda start, end: self._rows(rid, start, end)) if message.engram_prefetch else None
         if message.mode == "full":
             logits = self._prefill_full(rid, seq, ids, rows_for)
         else:
             logits = self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for)
             self._store_blocks(seq, keys, len(blocks))
         c = seq.counters
+        self.counters.update(prefills=1, prompt_tokens=len(ids), cached_tokens=cached,
+                             encoder_layer_tokens=c.encoder_layer_tokens, replayed_layer_tokens=c.replayed_layer_tokens)
         reply(m.Logits(request_id=rid, logits=logits.logits, main_hidden=logits.main_hidden,
                        cached_tokens=cached, encoder_layer_tokens=c.encoder_layer_tokens,
                        replayed_layer_tokens=c.replayed_layer_tokens + logits.replayed_layer_tokens,
@@ -210,8 +212,21 @@ class EncoderComponent(Component):
                                  f"{seq.cache.length} of {seq.cache.capacity} positions used")
         rows = None
         if message.engram_prefetch:
-            rows = self.mailbox.take(message.request_id, seq.cache.length, seq.cache.length + len(tokens))
-        reply(self._forward(message.request_id, seq, tokens, rows), self._last_frames)
+            rows = self._rows(message.request_id, seq.cache.length, seq.cache.length + len(tokens))
+        answer = self._forward(message.request_id, seq, tokens, rows)
+        self.counters.update(step_tokens=len(tokens), encoder_layer_tokens=len(tokens) * len(self.core.encoder))
+        reply(answer, self._last_frames)
+
+    def _rows(self, request_id: int, start: int, end: int) -> dict[int, torch.Tensor] | None:
+        """Prefetched Engram rows, or None (look them up here) when they do not come in time:
+        this process still holds the tables, so a slow or dead engram component costs time only."""
+        try:
+            rows = self.mailbox.take(request_id, start, end)
+            self.counters["engram_rows_early" if self.mailbox.leads_s[-1] >= 0 else "engram_rows_late"] += 1
+            return rows
+        except ComponentError:
+            self.counters["engram_fallbacks"] += 1
+            return None
 
     def _release(self, request_id: int) -> None:
         self.sequences.pop(request_id, None)

@@ -334,6 +334,8 @@ class Peer:
         return pong
 
     def close(self) -> None:
+        if self.sock.closed:
+            return
         if self.monitor is not None:
             self.sock.disable_monitor()
             self.monitor.close(0)

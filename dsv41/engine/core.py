@@ -148,9 +148,9 @@ class InferenceCore:
         """Encoder layers on positions start..end-1; returns the streams from keep_from on (or None).
         A replay sees SWA positions from `start` only and leaves every global KV entry as loaded."""
         cache, first_decoder = seq.cache, self.decoder[0]
-        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache, prefetched=rows_for is not None)
-        if rows_for is not None:
-            rows = rows_for(start, end)
+        prefetched = rows_for(start, end) if rows_for is not None else None
+        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache, prefetched=prefetched is not None)
+        rows = prefetched if prefetched is not None else rows
         shared = SharedAttention(start=start, cache=cache, emit_entries=not replay,
                                  window_floor=start if replay else 0, scored=seq.counters.indexer_scored)
         for layer in self.encoder:

@@ -254,5 +254,6 @@ def with_overrides(pipeline: Pipeline, **sections) -> Pipeline:
     changes = {}
     for section, fields in sections.items():
         current = getattr(pipeline, section)
-        changes[section] = msgspec.structs.replace(current, **fields) if isinstance(fields, dict) else fields
+        nested = isinstance(current, msgspec.Struct) and isinstance(fields, dict)
+        changes[section] = msgspec.structs.replace(current, **fields) if nested else fields
     return msgspec.structs.replace(pipeline, **changes)

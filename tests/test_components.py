@@ -1,0 +1,298 @@
+"""Each component alone, as a real process and as a thread, with stand-ins for its peers.
+
+The same tests run in both placements. Model outputs are compared bit for bit with the
+in-process inference core on the same weights (the micro model: 8 layers, W = 8).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv41 import messages as m
+from dsv41.components.runtime import ComponentError, Peer, new_request_id
+from dsv41.engine.core import InferenceCore
+from dsv41.model.reference import random_model
+from dsv41.model.tokenizer import byte_tokenizer, encode
+from dsv41.storage.blockfmt import BlockLayout
+from dsv41.storage.store import GlobalKVStore
+from tests.helpers.pipelines import StandIn, endpoints, pipeline_for, short_dir, start_alone
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(params=["thread", "process"])
+def placement(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def root():
+    path = short_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("micro", seed=3)
+
+
+class Running:
+    """A component started alone, its endpoints, and cleanup of everything the test opened."""
+
+    def __init__(self, name: str, placement: str, root: Path, **options):
+        self.pipeline = pipeline_for(placement, root, **options)
+        self.runtime_dir = root / "run"
+        self.endpoints = endpoints(self.pipeline, self.runtime_dir)
+        self.stand_ins: list[StandIn] = []
+        self.peers: list[Peer] = []
+        self.name, self.child = name, None
+
+    def stand_in(self, name: str, answer) -> StandIn:
+        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stand_in = StandIn(self.endpoints[name], answer)
+        self.stand_ins.append(stand_in)
+        return stand_in
+
+    def start(self) -> Peer:
+        self.child = start_alone(self.name, self.pipeline, self.runtime_dir)
+        return self.peer()
+
+    def peer(self) -> Peer:
+        peer = Peer(self.endpoints[self.name], self.name, timeout_s=60)
+        self.peers.append(peer)
+        return peer
+
+    def stop(self) -> None:
+        for peer in self.peers:
+            peer.close()
+        if self.child is not None:
+            self.child.stop(10)
+        for stand_in in self.stand_ins:
+            stand_in.close()
+
+
+@pytest.fixture
+def running(placement, root):
+    started = []
+
+    def start(name: str, **options) -> Running:
+        started.append(Running(name, placement, root, **options))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+def _rid() -> int:
+    return new_request_id()
+
+
+def test_tokenizer_round_trip_refusals_and_shutdown(running, placement):
+    r = running("tokenizer")
+    peer = r.start()
+    text = "Grüße, the quick brown fox ✓"
+    reply, _ = peer.call(m.Tokenize(request_id=_rid(), text=text))
+    ids = m.unpack_ids(reply.ids)
+    assert ids == encode(byte_tokenizer(320), text)
+    back, _ = peer.call(m.Detokenize(request_id=_rid(), ids=reply.ids))
+    assert text in back.text
+    with pytest.raises(ComponentError) as e:
+        peer.call(m.Tokenize(request_id=_rid(), text="look", images=1))
+    assert e.value.code == m.ErrorCode.INVALID_REQUEST and "vision" in e.value.text
+    with pytest.raises(ComponentError) as e:  # a message this component does not take
+        peer.call(m.Prefill(request_id=_rid(), ids=reply.ids))
+    assert e.value.code == m.ErrorCode.UNEXPECTED
+    assert peer.ping().counters["bad_messages"] == 1
+    r.child.stop(10)
+    if placement == "process":
+        assert r.child.exit_code() == 0
+        assert not (r.runtime_dir / "tokenizer.sock").exists()
+        assert not (r.runtime_dir / "tokenizer.sock.lock").exists()
+
+
+def test_kvstore_serves_lookups_reads_writes(running, root, model, rng):
+    r = running("kvstore")
+    peer = r.start()
+    layout = BlockLayout.of(model.config, 16)
+    ids = torch.randint(3, 300, (50,), generator=rng).tolist()
+    hit, _ = peer.call(m.Lookup(request_id=_rid(), ids=m.pack_ids(ids)))
+    assert (hit.cached_blocks, len(hit.keys), hit.block_tokens) == (0, 3, 16)
+    payloads = [torch.randint(0, 256, (layout.payload_bytes,), dtype=torch.uint8, generator=rng) for _ in range(2)]
+    out = m.Frames()
+    put = m.PutBlocks(request_id=_rid(), keys=hit.keys[:2], payloads=[out.add(p) for p in payloads])
+    stored, _ = peer.call(put, out)
+    assert (stored.stored, stored.full) == (2, False)
+    hit, _ = peer.call(m.Lookup(request_id=_rid(), ids=m.pack_ids(ids)))
+    assert hit.cached_blocks == 2
+    blocks, frames = peer.call(m.GetBlocks(request_id=_rid(), keys=hit.keys))
+    assert len(blocks.payloads) == 2  # stops at the first missing block
+    for descriptor, payload in zip(blocks.payloads, payloads, strict=True):
+        assert torch.equal(m.tensor(descriptor, frames), payload)
+    out = m.Frames()
+    wrong = m.PutBlocks(request_id=_rid(), keys=hit.keys[2:], payloads=[out.add(torch.zeros(10, dtype=torch.uint8))])
+    with pytest.raises(ComponentError) as e:
+        peer.call(wrong, out)
+    assert e.value.code == m.ErrorCode.INVALID_REQUEST and "payload" in e.value.text
+    r.stop()
+    with GlobalKVStore(root / "kv", layout, readonly=True) as store:
+        assert store.verify() == []
+
+
+def test_engram_pushes_the_rows_the_model_would_look_up(running, model, rng):
+    r = running("engram")
+    pushed = r.stand_in("encoder", lambda message, frames: None)
+    peer = r.start()
+    ids = torch.randint(3, 300, (40,), generator=rng).tolist()
+    peer.send(m.EngramPrefetch(request_id=7, ids=m.pack_ids(ids), offset=0, start=0))
+    lookback = model.config.text_config.engram_max_ngram_size - 1
+    window_start = 30
+    peer.send(m.EngramPrefetch(request_id=8, ids=m.pack_ids(ids[window_start - lookback:]),
+                               offset=window_start - lookback, start=window_start))
+    _wait_for(lambda: len(pushed.received) == 2)
+    row_ids = model.hasher(torch.tensor([ids]))
+    tables = [model.layers[layer].engram.embed for layer in model.config.text_config.engram_layer_ids]
+    for (message, frames), first in zip(pushed.received, (0, window_start), strict=True):
+        rows = m.tensor(message.rows, [memoryview(f) for f in frames])
+        assert message.start == first and rows.size(1) == len(ids) - first
+        for index, table in enumerate(tables):
+            assert torch.equal(rows[index], table(row_ids[0, first:, index]))
+    with pytest.raises(ComponentError) as e:  # a window that misses the n-gram look-back
+        peer.call(m.EngramPrefetch(request_id=9, ids=m.pack_ids(ids[35:]), offset=35, start=36))
+    assert e.value.code == m.ErrorCode.INVALID_REQUEST
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def _encoded_prompt(model, ids: list[int]):
+    core = InferenceCore(model, chunk_size=512)
+    seq, _ = core.new_sequence(ids, len(ids) + 16, packed=True)
+    x, pre_mix, starts = core.encode_prompt(seq, torch.tensor([ids]), exact=False)
+    return core, seq, x, pre_mix, starts
+
+
+def test_decoder_matches_the_in_process_decoder_half(running, model, rng):
+    r = running("decoder")
+    peer = r.start()
+    ids = torch.randint(3, 300, (29,), generator=rng).tolist()
+    core, seq, x, pre_mix, starts = _encoded_prompt(model, ids)
+    group = seq.cache.groups[model.config.plan.decoder_start]
+    out = m.Frames()
+    prefill = m.DecoderPrefill(request_id=11, length=len(ids), capacity=seq.cache.capacity, starts=starts, kv_from=0,
+                               main_kv=out.add(group.main_kv.data[0, :29]), index_k=out.add(group.index_k.data[0, :29]),
+                               streams=out.add(x), pre_mix=out.add(pre_mix))
+    answer, frames = peer.call(prefill, out)
+    expected = core.decoder_replay(seq, x, pre_mix, starts, len(ids))
+    assert torch.equal(m.tensor(answer.logits, frames)[0], expected)
+    token = int(expected.argmax())
+    sx, spm = core.encode_tokens(seq, [token])
+    expected_logits, expected_hidden = core.decode_streams(seq, sx, spm, len(ids))
+    out = m.Frames()
+    answer, frames = peer.call(m.DecoderStep(request_id=11, start=len(ids), streams=out.add(sx), pre_mix=out.add(spm)),
+                               out)
+    assert torch.equal(m.tensor(answer.logits, frames), expected_logits)
+    assert torch.equal(m.tensor(answer.main_hidden, frames), expected_hidden)
+    for rid, start, code in ((99, 0, m.ErrorCode.UNKNOWN_REQUEST), (11, 5, m.ErrorCode.INVALID_REQUEST)):
+        out = m.Frames()
+        with pytest.raises(ComponentError) as e:
+            peer.call(m.DecoderStep(request_id=rid, start=start, streams=out.add(sx), pre_mix=out.add(spm)), out)
+        assert e.value.code == code
+    out = m.Frames()
+    bad_kv = m.DecoderPrefill(request_id=12, length=29, capacity=64, starts=starts, kv_from=0,
+                              main_kv=out.add(torch.zeros(29, 7)), index_k=out.add(group.index_k.data[0, :29]),
+                              streams=out.add(x), pre_mix=out.add(pre_mix))
+    with pytest.raises(ComponentError) as e:
+        peer.call(bad_kv, out)
+    assert e.value.code == m.ErrorCode.BAD_TENSOR
+    assert peer.call(m.Release(request_id=11))[0] == m.Ack(request_id=11)
+
+
+def _logits_answer(vocab: int):
+    def answer(message, frames):
+        if isinstance(message, m.Release):
+            return m.Ack(request_id=message.request_id), None
+        out = m.Frames()
+        return m.Logits(request_id=message.request_id, logits=out.add(torch.zeros(1, vocab))), out
+    return answer
+
+
+def test_encoder_hands_the_decoder_the_in_process_encoder_output(running, model, rng):
+    r = running("encoder")  # no kvstore runs: every lookup is a miss, never a failure
+    decoder = r.stand_in("decoder", _logits_answer(320))
+    peer = r.start()
+    ids = torch.randint(3, 300, (37,), generator=rng).tolist()
+    answer, _ = peer.call(m.Prefill(request_id=21, ids=m.pack_ids(ids), capacity=64))
+    assert answer.cached_tokens == 0 and answer.encoder_layer_tokens == 37 * 4
+    sent, frames = decoder.received[0]
+    frames = [memoryview(f) for f in frames]
+    core, seq, x, pre_mix, starts = _encoded_prompt(model, ids)
+    group = seq.cache.groups[model.config.plan.decoder_start]
+    assert sent.starts == starts and sent.length == 37
+    assert torch.equal(m.tensor(sent.streams, frames), x) and torch.equal(m.tensor(sent.pre_mix, frames), pre_mix)
+    assert torch.equal(m.tensor(sent.main_kv, frames), group.main_kv.data[0, :37])
+    assert torch.equal(m.tensor(sent.index_k, frames), group.index_k.data[0, :37])
+    peer.call(m.Step(request_id=21, ids=m.pack_ids([5])))
+    step, frames = decoder.received[1]
+    sx, _ = core.encode_tokens(seq, [5])
+    assert step.start == 37 and torch.equal(m.tensor(step.streams, [memoryview(f) for f in frames]), sx)
+    with pytest.raises(ComponentError) as e:
+        peer.call(m.Step(request_id=22, ids=m.pack_ids([5])))
+    assert e.value.code == m.ErrorCode.UNKNOWN_REQUEST
+    with pytest.raises(ComponentError) as e:
+        peer.call(m.Prefill(request_id=23, ids=m.pack_ids(ids * 200)))  # 7,400 tokens > the 4,096 limit
+    assert e.value.code == m.ErrorCode.INVALID_REQUEST and "context limit" in e.value.text
+    peer.call(m.Release(request_id=21))
+    assert isinstance(decoder.received[-1][0], m.Release)
+    assert peer.ping().counters["store_unavailable"] >= 1
+
+
+def test_dspark_schedules_decoding_and_fails_requests_alone(running):
+    r = running("dspark", engram={"prefetch": False})
+    r.stand_in("tokenizer", lambda message, frames: (
+        (m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None)
+        if isinstance(message, m.Tokenize) else
+        (m.Detokenized(request_id=message.request_id, text="x" * (len(message.ids) // 4)), None)))
+    steps = []
+
+    def encoder(message, frames):
+        if isinstance(message, m.Release):
+            return m.Ack(request_id=message.request_id), None
+        if isinstance(message, m.Step) and m.unpack_ids(message.ids) == [42]:
+            return m.error_reply(message.request_id, m.ErrorCode.UNAVAILABLE, "decoder", "gone"), None
+        steps.append(message)
+        logits = torch.zeros(1, 320)
+        logits[0, 10 + len(steps)] = 1.0  # the greedy choice: 11, 12, 13, ...
+        out = m.Frames()
+        return m.Logits(request_id=message.request_id, logits=out.add(logits), cached_tokens=3), out
+
+    r.stand_in("encoder", encoder)
+    peer = r.start()
+    events = list(peer.stream(m.Generate(request_id=5, prompt="hello", max_new_tokens=3)))
+    assert [e.token for e in events[:-1]] == [11, 12, 13]
+    assert "".join(e.text for e in events[:-1]) == "xxx"
+    done = events[-1]
+    assert (done.reason, done.prompt_tokens, done.generated_tokens, done.cached_tokens) == \
+        (m.FinishReason.LENGTH, 5, 3, 3)
+    assert isinstance(steps[0], m.Prefill) and m.unpack_ids(steps[0].ids) == list(b"hello")
+    with pytest.raises(ComponentError) as e:
+        list(peer.stream(m.Generate(request_id=6, ids=m.pack_ids([42]), max_new_tokens=4096)))
+    assert e.value.code == m.ErrorCode.INVALID_REQUEST and "context limit" in e.value.text
+    steps.clear()
+    steps.extend([None] * 31)  # the prefill makes 42 the greedy token: its step fails downstream
+    with pytest.raises(ComponentError) as e:
+        list(peer.stream(m.Generate(request_id=7, prompt="hi", max_new_tokens=5)))
+    assert (e.value.code, e.value.component) == (m.ErrorCode.UNAVAILABLE, "decoder")
+    events = list(peer.stream(m.Generate(request_id=8, prompt="ok", max_new_tokens=1)))
+    assert events[-1].reason == m.FinishReason.LENGTH  # the failed request failed alone
