@@ -1,0 +1,93 @@
+"""Whole pipelines: real processes (`local`) and threads (`inproc`) give exactly the greedy tokens
+of the in-process inference core, share prefixes through the persistent store, and keep hitting
+it after a restart."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from dsv41 import messages as m
+from dsv41.engine.core import InferenceCore
+from dsv41.engine.prefix_cache import CachedPrefill
+from dsv41.model.reference import random_model
+from dsv41.pipelines.client import generate
+from dsv41.pipelines.launch import Supervisor
+from dsv41.storage.blockfmt import BlockLayout
+from dsv41.storage.policy import PrefixCachePolicy
+from dsv41.storage.prefix import Fingerprint
+from dsv41.storage.store import GlobalKVStore
+from dsv41.storage.swa_pool import SWAPool
+from tests.helpers.pipelines import pipeline_for, short_dir
+
+pytestmark = pytest.mark.timeout(600)
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    first = torch.randint(3, 300, (40,), generator=gen).tolist()
+    return [first, first[:36] + torch.randint(3, 300, (10,), generator=gen).tolist(),
+            torch.randint(3, 300, (5,), generator=gen).tolist()]
+
+
+def in_process(prompts: list[list[int]], root) -> list[tuple[list[int], int, int, int]]:
+    """Greedy tokens and (cached, encoder, replayed) counts of the in-process core with its own store."""
+    model = random_model("micro", seed=3)
+    core = InferenceCore(model, chunk_size=512)
+    layout = BlockLayout.of(model.config, 16)
+    fingerprint = Fingerprint.of(model.config, "random:micro:3")
+    results = []
+    with GlobalKVStore(root / "reference-kv", layout) as store:
+        cached = CachedPrefill(core, PrefixCachePolicy(store, SWAPool(2**26), fingerprint, 16))
+        for ids in prompts:
+            result = cached.prefill(ids, capacity=len(ids) + NEW_TOKENS)
+            seq, logits, tokens = result.sequence, result.logits, []
+            counts = (result.cached_tokens, seq.counters.encoder_layer_tokens, seq.counters.replayed_layer_tokens)
+            for _ in range(NEW_TOKENS):
+                tokens.append(int(logits.argmax()))
+                if len(tokens) < NEW_TOKENS:
+                    logits = core.step(seq, tokens[-1:])[-1]
+            results.append((tokens, *counts))
+    return results
+
+
+def through_pipeline(supervisor: Supervisor, prompts: list[list[int]]) -> list[tuple[list[int], int, int, int]]:
+    peer, results = supervisor.peer(), []
+    try:
+        for ids in prompts:
+            events = list(generate(peer, ids=ids, max_new_tokens=NEW_TOKENS, stop_at_eos=False))
+            done = events[-1]
+            assert isinstance(done, m.Finished) and done.generated_tokens == NEW_TOKENS
+            results.append(([e.token for e in events[:-1]], done.cached_tokens, done.encoder_layer_tokens,
+                            done.replayed_layer_tokens))
+    finally:
+        peer.close()
+    return results
+
+
+@pytest.fixture
+def root():
+    path = short_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_local_and_inproc_pipelines_equal_the_in_process_core(prompts, root):
+    # the in-process run ends with the first prompt again: a hit, as after the pipeline's restart
+    expected = in_process([*prompts, prompts[0]], root)
+    assert expected[1][1] == 32 and expected[3][1] == 32  # two 16-token blocks come from the store
+    local = pipeline_for("process", root)
+    with Supervisor(local, root / "run") as supervisor:
+        assert through_pipeline(supervisor, prompts) == expected[:3]
+    first, second = expected[0], expected[1]
+    assert second[2] < first[2]  # fewer encoder layer-tokens on the hit ...
+    assert second[3] > first[3]  # ... and the encoder replay of the cached prefix's last W tokens
+    threads = pipeline_for("thread", root / "threads")
+    with Supervisor(threads, root / "run-threads") as supervisor:
+        assert through_pipeline(supervisor, prompts) == expected[:3]
+    with Supervisor(local, root / "run") as supervisor:  # a restarted pipeline, the same persistent store
+        assert through_pipeline(supervisor, prompts[:1]) == expected[3:]
