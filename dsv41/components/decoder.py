@@ -13,6 +13,7 @@ import torch
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
 from dsv41.components.runtime import Component, Reply
+from dsv41.components.sequences import Sequences
 from dsv41.config import Part
 from dsv41.engine.core import InferenceCore, Sequence
 from dsv41.model.cache import DecodeCache
@@ -29,7 +30,7 @@ class DecoderComponent(Component):
         plan = model.config.plan
         self.layers = {s.layer_id for s in plan.backbone if s.part is Part.DECODER}
         self.group = plan.decoder_start
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences = Sequences(context.pipeline.generation.request_timeout_s)
 
     @torch.inference_mode()
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
@@ -39,15 +40,17 @@ class DecoderComponent(Component):
             case m.DecoderStep():
                 reply(*self._step(message, frames))
             case m.Release():
-                self.sequences.pop(message.request_id, None)
+                self.sequences.pop(message.request_id)
                 reply(m.Ack(request_id=message.request_id))
 
     def _allocate(self, rid: int, capacity: int) -> Sequence:
-        if rid in self.sequences:
-            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"request {rid} already has a sequence")
-        cache = DecodeCache.allocate(self.core.model.config, 1, capacity, packed=True, layers=self.layers)
-        self.sequences[rid] = seq = Sequence(cache)
+        seq = Sequence(DecodeCache.allocate(self.core.model.config, 1, capacity, packed=True, layers=self.layers))
+        self.sequences.add(rid, seq)
         return seq
+
+    def tick(self) -> bool:
+        self.counters["idle_sequences_dropped"] += self.sequences.sweep()
+        return False
 
     def _prefill(self, message: m.DecoderPrefill, frames: list[memoryview]):
         n = message.length
@@ -71,9 +74,6 @@ class DecoderComponent(Component):
     def _step(self, message: m.DecoderStep, frames: list[memoryview]):
         rid = message.request_id
         seq = self._allocate(rid, message.capacity) if message.capacity else self.sequences.get(rid)
-        if seq is None:
-            raise m.MessageError(m.ErrorCode.UNKNOWN_REQUEST, f"no sequence for request {rid} "
-                                 "(never prefilled, released, or lost in a restart)")
         if message.start != seq.cache.length:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"step at position {message.start}, but the "
                                  f"sequence holds {seq.cache.length} positions")

@@ -17,6 +17,7 @@ import torch
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
 from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
+from dsv41.components.sequences import Sequences
 from dsv41.config import Part
 from dsv41.engine.core import InferenceCore, Sequence
 from dsv41.model.cache import export_blocks
@@ -81,7 +82,7 @@ class EncoderComponent(Component):
         self.layout = BlockLayout.of(model.config, context.pipeline.store.block_tokens)
         self.limit = model.config.text_config.max_position_embeddings
         self.mailbox = EngramMailbox(float(context.option("engram", "rows_timeout_s", 5.0)))
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences = Sequences(context.pipeline.generation.request_timeout_s)
         self.decoder = context.peer("decoder")
         self.kvstore = context.peer("kvstore", timeout_s=STORE_TIMEOUT_S)
 
@@ -105,7 +106,7 @@ class EncoderComponent(Component):
         self._check_prompt(rid, ids, message.capacity)
         keys, blocks = self._load_prefix(ids) if message.mode == "ced" else ([], [])
         seq, cached = self.core.new_sequence(ids, message.capacity or None, True, blocks, self.layout, self.layers)
-        self.sequences[rid] = seq
+        self.sequences.add(rid, seq)
         waited = self.mailbox.waited_s
         rows_for = (lambda start, end: self._rows(rid, start, end)) if message.engram_prefetch else None
         if message.mode == "full":
@@ -127,8 +128,6 @@ class EncoderComponent(Component):
         if not ids or len(ids) > limit:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"a prompt of {len(ids)} tokens does not fit: it needs "
                                  f"1..{limit} tokens (the context limit)")
-        if rid in self.sequences:
-            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"request {rid} already has a sequence")
 
     def _prefill_ced(self, rid, seq: Sequence, ids: list[int], exact: bool, cached: int, rows_for) -> m.Logits:
         x, pre_mix, starts = self.core.encode_prompt(seq, torch.tensor([ids]), exact, cached, rows_for)
@@ -203,9 +202,6 @@ class EncoderComponent(Component):
     @torch.inference_mode()
     def _step(self, message: m.Step, reply: Reply) -> None:
         seq = self.sequences.get(message.request_id)
-        if seq is None:
-            raise m.MessageError(m.ErrorCode.UNKNOWN_REQUEST, f"no sequence for request {message.request_id} "
-                                 "(never prefilled, released, or lost in a restart)")
         tokens = m.unpack_ids(message.ids)
         if not tokens or seq.cache.length + len(tokens) > seq.cache.capacity:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(tokens)} tokens do not fit: "
@@ -228,8 +224,12 @@ class EncoderComponent(Component):
             self.counters["engram_fallbacks"] += 1
             return None
 
+    def tick(self) -> bool:
+        self.counters["idle_sequences_dropped"] += self.sequences.sweep()
+        return False
+
     def _release(self, request_id: int) -> None:
-        self.sequences.pop(request_id, None)
+        self.sequences.pop(request_id)
         self.mailbox.drop(request_id)
         try:
             self.decoder.call(m.Release(request_id=request_id), timeout_s=5.0)

@@ -35,8 +35,15 @@ def serve_forever(server: Server) -> None:
         server.join()
 
 
+LIGHT = ("tokenizer", "engram", "dspark", "kvstore")  # small tensor work: one thread leaves the cores to the model
+
+
 def main(argv: list[str]) -> int:
     name, pipeline_file, runtime_dir = argv
+    if name in LIGHT:
+        import torch
+
+        torch.set_num_threads(1)
     serve_forever(build_server(name, load_pipeline(Path(pipeline_file)), Path(runtime_dir)))
     return 0
 

@@ -54,6 +54,9 @@ class EndpointInUse(RuntimeError):
 
 def check_endpoint(endpoint: str) -> None:
     problem = endpoint_problem(endpoint)
+    path = os.fsencode(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else b""
+    if not problem and len(path) > IPC_PATH_LIMIT:
+        problem = f"socket path is {len(path)} bytes; Unix sockets allow at most {IPC_PATH_LIMIT}"
     if problem:
         raise ValueError(f"Invalid zmq endpoint {endpoint!r}: {problem}")
 
@@ -63,9 +66,8 @@ class _IpcLock:
     the same path would otherwise silently take over its traffic."""
 
     def __init__(self, endpoint: str):
+        check_endpoint(endpoint)
         self.path = Path(endpoint.removeprefix("ipc://"))
-        if len(str(self.path)) > IPC_PATH_LIMIT:
-            raise ValueError(f"ipc path {self.path} is longer than {IPC_PATH_LIMIT} bytes")
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.fd = os.open(f"{self.path}.lock", os.O_CREAT | os.O_RDWR, 0o600)
         try:
@@ -87,23 +89,27 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, keys_dir
     possible on send, CURVE on tcp when keys are configured, loopback-only tcp without them."""
     check_endpoint(endpoint)
     sock = ctx.socket(kind)
-    sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
-    sock.setsockopt(zmq.LINGER, LINGER_MS)
-    if kind == zmq.ROUTER:
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if kind == zmq.DEALER:
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-    tcp = endpoint.startswith("tcp://")
-    if bind:
-        if tcp:
-            check_bind_allowed(endpoint, keys_dir)
-        if curve is not None:
-            curve.apply(sock)
-        sock.bind(endpoint)
-    else:
-        if tcp and keys_dir is not None:
-            apply_curve_client(sock, keys_dir)
-        sock.connect(endpoint)
+    try:
+        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if kind == zmq.DEALER:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        tcp = endpoint.startswith("tcp://")
+        if bind:
+            if tcp:
+                check_bind_allowed(endpoint, keys_dir)
+            if curve is not None:
+                curve.apply(sock)
+            sock.bind(endpoint)
+        else:
+            if tcp and keys_dir is not None:
+                apply_curve_client(sock, keys_dir)
+            sock.connect(endpoint)
+    except BaseException:  # a refused bind must not leave an open socket behind (ctx.term() would hang)
+        sock.close(0)
+        raise
     return sock
 
 
@@ -227,7 +233,15 @@ class Server:
 
     def _dispatch(self, push: zmq.Socket, identity, message: m.Message, frames: list[memoryview]) -> None:
         def reply(answer: m.Message, out: m.Frames | None = None) -> None:
-            push.send_multipart([identity, *m.encode(answer, out)], copy=False)
+            parts = [identity, *m.encode(answer, out)]
+            while True:
+                try:
+                    push.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:  # forwarding is behind, or the I/O thread has stopped and never will
+                    if self.stop_event.is_set():
+                        return
+                    push.poll(100, zmq.POLLOUT)
 
         try:
             self.component.handle(message, frames, reply)

@@ -1,0 +1,94 @@
+"""Fault tests on the `local` pipeline: SIGKILL each component kind in the middle of a request.
+
+The request either fails with an error naming a component or completes (where the loss is safe:
+a dead kvstore is a cache miss, a dead engram component makes the encoder look rows up itself).
+The supervisor restarts the component, the next request succeeds, and the store verifies clean.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dsv41 import messages as m
+from dsv41.cli.main import cli
+from dsv41.components.context import COMPONENTS
+from dsv41.components.runtime import ComponentError
+from dsv41.pipelines.client import generate
+from dsv41.pipelines.launch import Supervisor
+from tests.helpers.pipelines import pipeline_for, short_dir
+
+pytestmark = pytest.mark.timeout(600)
+SAFE_TO_LOSE = {"kvstore", "engram"}  # the request goes on without them
+
+
+def _request(supervisor: Supervisor, ids: list[int], new_tokens: int, first_token: threading.Event, outcome: dict):
+    peer = supervisor.peer(timeout_s=60)
+    try:
+        events = []
+        for event in generate(peer, ids=ids, max_new_tokens=new_tokens, stop_at_eos=False):
+            events.append(event)
+            first_token.set()
+        outcome["finished"] = events[-1]
+    except ComponentError as e:
+        outcome["error"] = e
+    finally:
+        first_token.set()
+        peer.close()
+
+
+def _wait_restarted(supervisor: Supervisor, name: str, old_pid: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pid = supervisor.pids().get(name)
+        if pid is not None and pid != old_pid:
+            peer = supervisor.peer(name, timeout_s=2)
+            try:
+                peer.ping(timeout_s=2)
+                return
+            except ComponentError:
+                pass
+            finally:
+                peer.close()
+        time.sleep(0.1)
+    raise AssertionError(f"{name} was not restarted")
+
+
+def test_sigkill_each_component_mid_request(rng):
+    root = short_dir()
+    try:
+        pipeline = pipeline_for("process", root)
+        prompt = torch.randint(3, 300, (70,), generator=rng).tolist()
+        with Supervisor(pipeline, root / "run") as supervisor:
+            for name in COMPONENTS:
+                first_token, outcome = threading.Event(), {}
+                client = threading.Thread(target=_request, args=(supervisor, prompt, 150, first_token, outcome))
+                client.start()
+                assert first_token.wait(60)
+                old_pid = supervisor.pids()[name]
+                os.kill(old_pid, signal.SIGKILL)
+                client.join(90)
+                assert not client.is_alive()
+                if "error" in outcome:
+                    error = outcome["error"]
+                    assert name not in SAFE_TO_LOSE, f"losing {name} failed the request: {error}"
+                    assert error.code in (m.ErrorCode.UNAVAILABLE, m.ErrorCode.UNKNOWN_REQUEST), error
+                    assert error.component in COMPONENTS, error
+                else:
+                    assert outcome["finished"].generated_tokens == 150
+                print(f"killed {name}: {outcome.get('error') or 'request completed'}")
+                _wait_restarted(supervisor, name, old_pid)
+                after = list(generate(supervisor.peer(), ids=prompt[:30], max_new_tokens=3, stop_at_eos=False))
+                assert after[-1].generated_tokens == 3, f"after restarting {name}"
+            assert supervisor.failure is None
+        result = CliRunner().invoke(cli, ["kv", "verify", "--path", str(root / "kv")])
+        assert result.exit_code == 0, result.output
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
