@@ -403,8 +403,11 @@ def tensor(descriptor: Tensor, frames: list[memoryview]) -> torch.Tensor:
 
 
 def pack_ids(ids: list[int] | torch.Tensor) -> bytes:
-    array = np.asarray(ids.tolist() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
-    if array.size and (array.min() < 0 or array.max() >= 1 << 31):
+    try:
+        array = np.asarray(ids.tolist() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
+    except OverflowError:  # an id past int64
+        array = None
+    if array is None or array.size and (array.min() < 0 or array.max() >= 1 << 31):
         raise MessageError(ErrorCode.INVALID_REQUEST, "token ids must be in [0, 2^31)")
     return array.astype("<i4").tobytes()
 

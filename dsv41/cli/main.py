@@ -7,6 +7,7 @@ import time
 import click
 
 from dsv41.cli.kv import kv
+from dsv41.cli.pipeline import COMMANDS
 from dsv41.config import BUILTIN_CONFIGS, ConfigError, ModelConfig, load_config
 
 CONFIG_HELP = f"Built-in config name ({', '.join(BUILTIN_CONFIGS)}) or path to a config.json."
@@ -21,7 +22,22 @@ def _load(name: str) -> ModelConfig:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
-    """dsv41: inference runtime for DeepSeek-V4.1-Flash-architecture models."""
+    """dsv41: inference runtime for DeepSeek-V4.1-Flash-architecture models.
+
+    A pipeline (a YAML file, or a built-in one: local, inproc, epd) says which model runs and
+    where each of its six components runs. Every command takes -h/--help.
+
+    \b
+    Examples:
+      dsv41 run --prompt "Hello"                    start local, complete one prompt, stop
+      dsv41 run inproc --file prompt.txt --json     the same in one process, as JSON
+      dsv41 serve local                             keep a pipeline up for clients
+      dsv41 status local                            ping every component of it
+      dsv41 pipeline show local > my.yaml           start your own pipeline from a built-in one
+      dsv41 pipeline validate my.yaml               check it without starting anything
+      dsv41 keys ~/.config/dsv41/keys               CURVE keys for tcp endpoints
+      dsv41 info --config official                  parameters and KV bytes of the full model
+    """
 
 
 @cli.command()
@@ -87,10 +103,12 @@ def flops(config_name: str, contexts: str) -> None:
 @cli.command()
 @click.argument("prompt")
 @click.option("--config", "config_name", default="mini", show_default=True, help=CONFIG_HELP)
-@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 4096),
+              help="Tokens to generate.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0),
               help="0 means greedy decoding.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="Nucleus sampling mass.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights and of sampling.")
 def generate(prompt: str, config_name: str, max_new_tokens: int, temperature: float, top_p: float,
              seed: int) -> None:
@@ -162,3 +180,5 @@ def parity(folder: str, decode_mode: str, packed: bool, details: bool) -> None:
 
 
 cli.add_command(kv)
+for command in COMMANDS:
+    cli.add_command(command)

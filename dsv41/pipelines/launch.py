@@ -12,6 +12,7 @@ an UNAVAILABLE error naming it; the next requests go to the restarted one.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import signal
 import subprocess
@@ -146,10 +147,12 @@ class Supervisor:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._dir_lock: int | None = None
 
     # --- start -------------------------------------------------------------------------------------
     def start(self) -> Supervisor:
         prepare_runtime_dir(self.runtime_dir)
+        self._take_runtime_dir()
         pipeline_file = self.runtime_dir / "pipeline.yaml"
         pipeline_file.write_bytes(msgspec.yaml.encode(self.pipeline))
         for name in COMPONENTS:
@@ -168,6 +171,18 @@ class Supervisor:
         self._watcher = threading.Thread(target=self._watch, name="dsv41-supervisor", daemon=True)
         self._watcher.start()
         return self
+
+    def _take_runtime_dir(self) -> None:
+        """One supervisor per runtime directory: a second would rewrite the first one's pipeline
+        file and fight over its sockets."""
+        self._dir_lock = os.open(self.runtime_dir / "supervisor.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(self._dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._dir_lock)
+            self._dir_lock = None
+            raise LaunchError(f"a pipeline is already running in {self.runtime_dir}; use `dsv41 status` to see it, "
+                              "or another --runtime-dir") from None
 
     def wait_ready(self, name: str, deadline: float) -> None:
         """Ping until the component answers; a component that exits or stays silent is an error."""
@@ -234,9 +249,12 @@ class Supervisor:
                 if name in self.children:
                     self.children[name].stop(timeout_s)
             self.children = {}
+            if self._dir_lock is not None:
+                (self.runtime_dir / "pipeline.yaml").unlink(missing_ok=True)
+                os.close(self._dir_lock)
+                self._dir_lock = None
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(2.0)
-        (self.runtime_dir / "pipeline.yaml").unlink(missing_ok=True)
 
     def __enter__(self) -> Supervisor:
         return self.start()

@@ -1,0 +1,527 @@
+"""The component runtime over real ZeroMQ sockets: garbage and oversized input, failing requests,
+dead and restarted peers, deadlines, shutdown, endpoint hijack and exposure (RELIABILITY 7.3)."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from dsv41 import messages as m
+from dsv41.components.runtime import (
+    IPC_PATH_LIMIT,
+    Component,
+    ComponentError,
+    EndpointInUse,
+    Peer,
+    Server,
+    check_endpoint,
+    make_socket,
+)
+from dsv41.components.security import SecurityError
+
+WAIT_MS = 10_000  # generous bound for a reply that must come; a hang fails the test, never a slow reply
+TRANSPORTS = ["ipc", "inproc"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Echo(Component):
+    """Tokenize -> Tokens of the text's UTF-8 bytes; a few texts fail or block on purpose."""
+
+    name = "echo"
+    accepts = frozenset({m.KIND.TOKENIZE})
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release, self.closed = threading.Event(), threading.Event(), threading.Event()
+
+    def handle(self, message, frames, reply):
+        if message.text == "boom":
+            raise KeyError("boom")
+        if message.text == "odd ids":
+            m.unpack_ids(b"abc")
+        if message.text == "upstream":
+            raise ComponentError(m.ErrorCode.UNAVAILABLE, "kvstore", "kvstore went away")
+        if message.text == "hold":
+            self.entered.set()
+            assert self.release.wait(20), "the test never released the held request"
+        reply(m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))))
+
+    def close(self):
+        self.closed.set()
+
+
+class Served:
+    """A Server with its compute loop on a daemon thread."""
+
+    def __init__(self, endpoint: str, component: Echo | None = None, ctx: zmq.Context | None = None):
+        self.component = component or Echo()
+        self.server = Server(self.component, endpoint, ctx=ctx)
+        self.thread = threading.Thread(target=self.server.run, name="echo-compute", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.server.join()
+        self.component.release.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the compute loop did not stop"
+        assert self.component.closed.is_set()
+
+
+class Net:
+    """Servers, peers and raw sockets of one test, all closed (linger 0) and stopped at teardown."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.servers: list[Served] = []
+        self.sockets: list[zmq.Socket] = []
+        self.peers: list[Peer] = []
+
+    def endpoint(self, transport: str, name: str = "echo") -> str:
+        if transport == "ipc":
+            return f"ipc://{self.root}/{name}.sock"
+        return f"inproc://test-{name}-{uuid.uuid4().hex[:8]}"
+
+    def serve(self, endpoint: str, component: Echo | None = None, ctx: zmq.Context | None = None) -> Served:
+        served = Served(endpoint, component, ctx)
+        self.servers.append(served)
+        return served
+
+    def peer(self, endpoint: str, timeout_s: float = 30.0, ctx: zmq.Context | None = None) -> Peer:
+        peer = Peer(endpoint, "echo", timeout_s=timeout_s, ctx=ctx)
+        self.peers.append(peer)
+        return peer
+
+    def raw(self, kind: int, endpoint: str, bind: bool = False, ctx: zmq.Context | None = None) -> zmq.Socket:
+        sock = (ctx or zmq.Context.instance()).socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.sockets.append(sock)
+        sock.bind(endpoint) if bind else sock.connect(endpoint)
+        return sock
+
+    def drop(self, peer: Peer) -> None:
+        """Close one peer now, as a caller that dies does."""
+        self.peers.remove(peer)
+        peer.close()
+
+    def close(self) -> None:
+        while self.peers:
+            self.peers.pop().close()
+        while self.sockets:
+            self.sockets.pop().close(0)
+        while self.servers:
+            served = self.servers.pop()
+            if not served.server.stop_event.is_set():
+                served.stop()
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    root = Path(tempfile.mkdtemp(prefix="dsv41-", dir="/tmp"))
+    network = Net(root)
+    try:
+        yield network
+    finally:
+        try:
+            network.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _receive(sock: zmq.Socket) -> list[bytes]:
+    assert sock.poll(WAIT_MS), "no reply"
+    return sock.recv_multipart()
+
+
+def _tokenize(text: str, request_id: int = 1) -> list[bytes]:
+    return [bytes(p) for p in m.encode(m.Tokenize(request_id=request_id, text=text))]
+
+
+def _echo_call(peer: Peer, text: str, request_id: int) -> list[int]:
+    reply, frames = peer.call(m.Tokenize(request_id=request_id, text=text))
+    assert reply == m.Tokens(request_id=request_id, ids=m.pack_ids(list(text.encode())))
+    assert frames == []
+    return m.unpack_ids(reply.ids)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# --- garbage in, errors out (T1) ------------------------------------------------------------------
+
+TOKENIZE = bytes([m.KIND.TOKENIZE])
+_noise = random.Random(41)
+GARBAGE = [
+    ("random body", [TOKENIZE, b"\xc1" + _noise.randbytes(40)], m.ErrorCode.MALFORMED, "malformed Tokenize"),
+    ("random frames", [b"\xee\x01", _noise.randbytes(33), _noise.randbytes(7)], m.ErrorCode.MALFORMED,
+     "unknown message kind"),
+    ("truncated", [TOKENIZE, _tokenize("truncated")[1][:-3]], m.ErrorCode.MALFORMED, "Input data was truncated"),
+    ("unknown kind", [b"\xee", _tokenize("x")[1]], m.ErrorCode.MALFORMED, "unknown message kind frame"),
+    ("not accepted", [bytes([m.KIND.DETOKENIZE]), msgspec.msgpack.encode([1, b"", 1])], m.ErrorCode.UNEXPECTED,
+     "does not take Detokenize messages"),
+    ("invalid utf-8", [TOKENIZE, _tokenize("abc")[1].replace(b"abc", b"\xff\xfe\xfd")], m.ErrorCode.MALFORMED,
+     "utf-8"),
+    ("one frame", [TOKENIZE], m.ErrorCode.MALFORMED, "got 1"),
+    ("70 frames", [TOKENIZE, _tokenize("x")[1], *[b"f"] * 68], m.ErrorCode.MALFORMED, "got 70"),
+    ("deep nesting", [TOKENIZE, b"\x91" * 5000 + b"\xc0"], m.ErrorCode.MALFORMED, "malformed Tokenize"),
+    ("extra frame", [*_tokenize("x"), b"tensor"], m.ErrorCode.BAD_TENSOR, "describes frames [] but carries 1"),
+    ("version 2", [TOKENIZE, msgspec.msgpack.encode([1, "x", 0, 2])], m.ErrorCode.VERSION, "protocol version 2"),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_garbage_gets_error_replies_and_the_server_keeps_serving(net, transport):
+    endpoint = net.endpoint(transport)
+    net.serve(endpoint)
+    peer = net.peer(endpoint)
+    assert _echo_call(peer, "before", 1) == list(b"before")
+    raw = net.raw(zmq.DEALER, endpoint)
+    for what, parts, code, text in GARBAGE:
+        raw.send_multipart(parts)
+        reply, frames = m.decode(_receive(raw))
+        assert isinstance(reply, m.Error), what
+        assert (reply.code, reply.request_id, reply.component, frames) == (code, 0, "echo", []), what
+        assert text in reply.text, f"{what}: {reply.text}"
+    assert _echo_call(peer, "after", 2) == list(b"after")
+    raw.send_multipart(_tokenize("raw after", 3))
+    assert m.decode(_receive(raw))[0] == m.Tokens(request_id=3, ids=m.pack_ids(list(b"raw after")))
+    counters = peer.ping(timeout_s=10).counters
+    assert counters["bad_messages"] == len(GARBAGE)
+    assert counters["requests"] == 3
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_failing_request_fails_alone(net, transport):
+    endpoint = net.endpoint(transport)
+    net.serve(endpoint)
+    peer = net.peer(endpoint)
+    failures = [("boom", m.ErrorCode.INTERNAL, "echo", "KeyError: 'boom'"),
+                ("odd ids", m.ErrorCode.MALFORMED, "echo", "token id bytes must be a multiple of 4, got 3"),
+                ("upstream", m.ErrorCode.UNAVAILABLE, "kvstore", "kvstore went away")]
+    for request_id, (text, code, component, detail) in enumerate(failures, 1):
+        with pytest.raises(ComponentError) as info:
+            peer.call(m.Tokenize(request_id=request_id, text=text))
+        assert (info.value.code, info.value.component, info.value.text) == (code, component, detail)
+        assert _echo_call(peer, f"next {request_id}", 100 + request_id) == list(f"next {request_id}".encode())
+    counters = peer.ping(timeout_s=10).counters
+    assert (counters["internal_errors"], counters["requests"], counters.get("bad_messages", 0)) == (1, 6, 0)
+
+
+# --- oversized messages (T2) ----------------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_make_socket_sets_the_limits():
+    ctx = zmq.Context.instance()
+    for kind in (zmq.ROUTER, zmq.DEALER):
+        sock = make_socket(ctx, kind, f"inproc://limits-{uuid.uuid4().hex[:8]}", bind=kind == zmq.ROUTER)
+        try:
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == m.MAX_MESSAGE_BYTES
+            assert sock.getsockopt(zmq.LINGER) == 200
+            if kind == zmq.DEALER:
+                assert sock.getsockopt(zmq.IMMEDIATE) == 1
+        finally:
+            sock.close(0)
+
+
+@pytest.mark.timeout(30)
+def test_oversized_message_drops_its_connection_only(net, monkeypatch):
+    monkeypatch.setattr(m, "MAX_MESSAGE_BYTES", 4096)
+    endpoint = net.endpoint("ipc")
+    net.serve(endpoint)
+    peer = net.peer(endpoint)
+    assert _echo_call(peer, "hello", 1) == list(b"hello")
+    raw = net.raw(zmq.DEALER, endpoint)
+    monitor = raw.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        raw.send_multipart(_tokenize("x" * 10_000, 2))
+        assert monitor.poll(WAIT_MS), "the oversized sender was not disconnected"
+        assert parse_monitor_message(monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED
+    finally:
+        raw.disable_monitor()
+        monitor.close(0)
+    assert _echo_call(peer, "unaffected", 3) == list(b"unaffected")
+    raw.send_multipart(_tokenize("small", 4))  # the first reply the raw socket ever gets: none for the big one
+    assert m.decode(_receive(raw))[0] == m.Tokens(request_id=4, ids=m.pack_ids(list(b"small")))
+    counters = peer.ping(timeout_s=10).counters
+    assert (counters["requests"], counters.get("bad_messages", 0)) == (3, 0)
+
+
+# --- dead, stopped and restarted peers (T4, T6) ---------------------------------------------------
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stopped_server_fails_the_waiting_call_then_a_restart_serves(net, transport):
+    """ipc: the peer's monitor reports the disconnect; inproc has no such events, so the deadline answers."""
+    endpoint = net.endpoint(transport)
+    first = net.serve(endpoint)
+    peer = net.peer(endpoint, timeout_s=30.0 if transport == "ipc" else 1.0)
+    peer.send(m.Tokenize(request_id=1, text="hold"))
+    assert first.component.entered.wait(10)
+    first.stop()
+    with pytest.raises(ComponentError) as info:
+        peer.receive(1)
+    assert (info.value.code, info.value.component) == (m.ErrorCode.UNAVAILABLE, "echo")
+    expected = "disconnected while answering" if transport == "ipc" else "no reply within 1.0 s"
+    assert expected in info.value.text
+    net.serve(endpoint)
+    again = peer if transport == "ipc" else net.peer(endpoint)  # an inproc connect does not outlive its binder
+    assert _echo_call(again, "restarted", 2) == list(b"restarted")
+
+
+CHILD = """
+import sys, time
+from dsv41 import messages as m
+from dsv41.components.runtime import Component, Server
+
+class Stuck(Component):
+    name = "echo"
+    accepts = frozenset({m.KIND.TOKENIZE})
+
+    def handle(self, message, frames, reply):
+        print("busy", flush=True)
+        time.sleep(120)
+
+server = Server(Stuck(), sys.argv[1])
+print("ready", flush=True)
+server.run()
+"""
+
+
+@pytest.fixture
+def child(net) -> Iterator[tuple[subprocess.Popen, str]]:
+    endpoint = net.endpoint("ipc", "killed")
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, endpoint], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        yield proc, endpoint
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+
+
+@pytest.mark.timeout(30)
+def test_killed_server_process_fails_the_call_and_its_endpoint_is_reusable(net, child):
+    proc, endpoint = child
+    assert proc.stdout.readline() == "ready\n"
+    peer = net.peer(endpoint, timeout_s=30.0)
+    peer.send(m.Tokenize(request_id=1, text="never answered"))
+    assert proc.stdout.readline() == "busy\n"
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    with pytest.raises(ComponentError) as info:
+        peer.receive(1)
+    assert (info.value.code, info.value.component) == (m.ErrorCode.UNAVAILABLE, "echo")
+    assert "disconnected while answering" in info.value.text
+    path = Path(endpoint.removeprefix("ipc://"))
+    assert path.exists() and Path(f"{path}.lock").exists()  # left behind by the killed process
+    net.serve(endpoint)
+    assert _echo_call(peer, "after the kill", 2) == list(b"after the kill")  # the same peer reconnects
+
+
+# --- deadlines ------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_call_to_nobody_is_unavailable(net, transport):
+    """ipc: the send finds no connection; inproc queues it for a later binder, and the deadline answers."""
+    endpoint = net.endpoint(transport, "nobody")
+    peer = net.peer(endpoint, timeout_s=0.5)
+    with pytest.raises(ComponentError) as info:
+        peer.call(m.Tokenize(request_id=1, text="anyone?"))
+    assert (info.value.code, info.value.component) == (m.ErrorCode.UNAVAILABLE, "echo")
+    expected = f"not reachable at {endpoint} (no connection within 1 s)" if transport == "ipc" else \
+        "no reply within 0.5 s"
+    assert info.value.text == expected
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_call_to_a_silent_server_hits_its_deadline(net, transport):
+    endpoint = net.endpoint(transport, "silent")
+    silent = net.raw(zmq.ROUTER, endpoint, bind=True)
+    peer = net.peer(endpoint, timeout_s=30.0)
+    with pytest.raises(ComponentError) as info:
+        peer.call(m.Tokenize(request_id=1, text="hello?"), timeout_s=0.3)
+    assert (info.value.code, info.value.text) == (m.ErrorCode.UNAVAILABLE, "no reply within 0.3 s")
+    assert m.decode(silent.recv_multipart(zmq.NOBLOCK)[1:])[0] == m.Tokenize(request_id=1, text="hello?")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_replies_to_abandoned_requests_are_skipped(net, transport):
+    endpoint = net.endpoint(transport)
+    served = net.serve(endpoint)
+    peer = net.peer(endpoint, timeout_s=0.3)
+    peer.send(m.Tokenize(request_id=1, text="hold"))
+    assert served.component.entered.wait(10)
+    with pytest.raises(ComponentError, match="no reply within 0.3 s"):
+        peer.receive(1)
+    served.component.release.set()
+    peer.timeout_s = 30.0
+    assert _echo_call(peer, "fresh", 2) == list(b"fresh")  # the late reply to 1 arrives first and is dropped
+
+
+# --- shutdown with dead peers (T7) ----------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_shutdown_with_queued_messages_and_dead_peers_terminates(net, transport):
+    ctx = zmq.Context()
+    try:
+        sink_endpoint = net.endpoint(transport, "sink")
+        sink = net.raw(zmq.ROUTER, sink_endpoint, bind=True, ctx=ctx)
+        queued = net.peer(sink_endpoint, ctx=ctx)
+        for request_id in range(200):
+            queued.send(m.Tokenize(request_id=request_id, text="never read " * 20))
+        net.drop(queued)
+        sink.close(0)
+
+        endpoint = net.endpoint(transport)
+        served = net.serve(endpoint, ctx=ctx)
+        dying = net.peer(endpoint, ctx=ctx)
+        dying.send(m.Tokenize(request_id=1, text="hold"))
+        for request_id in range(2, 50):
+            dying.send(m.Tokenize(request_id=request_id, text="queued behind the held one"))
+        assert served.component.entered.wait(10)
+        assert dying.ping(timeout_s=10).counters["requests"] == 49  # all 49 wait in the server's queue
+        net.drop(dying)  # the caller dies with its requests in flight
+        served.component.release.set()
+        witness = net.peer(endpoint, ctx=ctx)
+        assert _echo_call(witness, "still serving", 100) == list(b"still serving")
+        assert witness.ping(timeout_s=10).counters["requests"] == 50
+        served.stop()
+    finally:
+        net.close()
+        ctx.term()  # hangs, and the test times out, if any socket of the context is still open
+
+
+@pytest.mark.timeout(30)
+def test_stop_during_a_request_lets_the_compute_loop_finish(net):
+    """The reply of a request that outlives stop() is dropped, not sent into the closed I/O thread forever."""
+    ctx = zmq.Context()
+    try:
+        endpoint = net.endpoint("ipc")
+        served = net.serve(endpoint, ctx=ctx)
+        peer = net.peer(endpoint, ctx=ctx)
+        peer.send(m.Tokenize(request_id=1, text="hold"))
+        assert served.component.entered.wait(10)
+        served.server.stop()
+        served.server.join()
+        served.component.release.set()
+        served.thread.join(10)
+        assert not served.thread.is_alive()
+        assert served.component.closed.is_set()
+    finally:
+        net.close()
+        ctx.term()
+
+
+# --- ping while the compute loop is busy ----------------------------------------------------------
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ping_is_answered_while_a_request_computes(net, transport):
+    endpoint = net.endpoint(transport)
+    served = net.serve(endpoint)
+    peer = net.peer(endpoint)
+    peer.send(m.Tokenize(request_id=1, text="hold"))
+    assert served.component.entered.wait(10)
+    pong = peer.ping(timeout_s=10)
+    assert not served.component.release.is_set()  # the handler is still blocked: the I/O thread answered
+    assert (pong.component, pong.pid, pong.counters["requests"]) == ("echo", os.getpid(), 1)
+    served.component.release.set()
+    reply, _ = peer.receive(1)
+    assert reply == m.Tokens(request_id=1, ids=m.pack_ids(list(b"hold")))
+
+
+# --- ipc hijack and path length (T8) --------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_second_bind_of_an_ipc_path_is_refused(net):
+    endpoint = net.endpoint("ipc")
+    first = net.serve(endpoint)
+    with pytest.raises(EndpointInUse, match="is bound by another running process"):
+        Server(Echo(), endpoint)
+    peer = net.peer(endpoint)
+    assert peer.ping(timeout_s=10).pid == os.getpid()
+    assert _echo_call(peer, "first", 1) == list(b"first")
+    first.stop()
+    path = Path(endpoint.removeprefix("ipc://"))
+    assert not path.exists() and not Path(f"{path}.lock").exists()
+    path.write_bytes(b"stale")  # a leftover file where the socket goes
+    net.serve(endpoint)
+    assert _echo_call(net.peer(endpoint), "second", 2) == list(b"second")
+
+
+@pytest.mark.timeout(30)
+def test_ipc_paths_over_the_limit_are_refused(net):
+    fits = f"{net.root}/" + "a" * (IPC_PATH_LIMIT - len(f"{net.root}/"))
+    assert len(fits) == IPC_PATH_LIMIT
+    check_endpoint(f"ipc://{fits}")
+    ctx = zmq.Context.instance()
+    attempts = [check_endpoint, lambda e: make_socket(ctx, zmq.DEALER, e, bind=False),
+                lambda e: make_socket(ctx, zmq.ROUTER, e, bind=True), lambda e: Server(Echo(), e),
+                lambda e: Peer(e, "echo")]
+    for path in (fits + "a", f"{net.root}/" + "\u00e9" * 60):  # the second is short in characters, long in bytes
+        message = f"socket path is {len(path.encode())} bytes; Unix sockets allow at most {IPC_PATH_LIMIT}"
+        for attempt in attempts:
+            with pytest.raises(ValueError) as info:
+                attempt(f"ipc://{path}")
+            assert message in str(info.value)
+    assert list(net.root.iterdir()) == []
+
+
+# --- tcp exposure (T9) ----------------------------------------------------------------------------
+
+class RecordingContext(zmq.Context):
+    made: list
+
+    def socket(self, *args, **kwargs):
+        sock = super().socket(*args, **kwargs)
+        self.made = [*getattr(self, "made", []), sock]
+        return sock
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("host", ["0.0.0.0", "*", "192.0.2.1"])
+def test_tcp_bind_beyond_loopback_without_keys_is_refused(host):
+    ctx = RecordingContext()
+    try:
+        endpoint = f"tcp://{host}:{_free_port()}"
+        with pytest.raises(SecurityError) as info:
+            make_socket(ctx, zmq.ROUTER, endpoint, bind=True)
+        assert "without CURVE keys is refused" in str(info.value) and "dsv41 keys" in str(info.value)
+        with pytest.raises(SecurityError, match="dsv41 keys"):
+            Server(Echo(), endpoint, ctx=ctx)
+        assert len(ctx.made) == 2 and all(sock.closed for sock in ctx.made)
+    finally:
+        ctx.term()  # would hang on a socket left open by the refused bind
+
+
+@pytest.mark.timeout(30)
+def test_tcp_loopback_serves_without_keys(net):
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    net.serve(endpoint)
+    assert _echo_call(net.peer(endpoint), "over tcp", 1) == list(b"over tcp")
