@@ -9,6 +9,7 @@ cache miss (recompute), never a failed request.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -143,13 +144,13 @@ class EncoderComponent(Component):
         """Every chunk through the encoder, then through the decoder (which computes its own KV)."""
         for start in range(0, len(ids), self.core.chunk_size):
             chunk = ids[start : start + self.core.chunk_size]
-            rows = rows_for(start, start + len(chunk)) if rows_for else None
-            logits = self._forward(rid, seq, chunk, rows, first=start == 0)
+            fetch = functools.partial(rows_for, start, start + len(chunk)) if rows_for else None
+            logits = self._forward(rid, seq, chunk, fetch, first=start == 0)
         return logits
 
-    def _forward(self, rid: int, seq: Sequence, tokens: list[int], rows, first: bool = False) -> m.Logits:
+    def _forward(self, rid: int, seq: Sequence, tokens: list[int], fetch_rows, first: bool = False) -> m.Logits:
         start = seq.cache.length
-        x, pre_mix = self.core.encode_tokens(seq, tokens, rows)
+        x, pre_mix = self.core.encode_tokens(seq, tokens, fetch_rows)
         out = m.Frames()
         request = m.DecoderStep(request_id=rid, start=start, streams=out.add(x), pre_mix=out.add(pre_mix),
                                 capacity=seq.cache.capacity if first else 0)
@@ -206,10 +207,11 @@ class EncoderComponent(Component):
         if not tokens or seq.cache.length + len(tokens) > seq.cache.capacity:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(tokens)} tokens do not fit: "
                                  f"{seq.cache.length} of {seq.cache.capacity} positions used")
-        rows = None
+        fetch, start = None, seq.cache.length
         if message.engram_prefetch:
-            rows = self._rows(message.request_id, seq.cache.length, seq.cache.length + len(tokens))
-        answer = self._forward(message.request_id, seq, tokens, rows)
+            def fetch():
+                return self._rows(message.request_id, start, start + len(tokens))
+        answer = self._forward(message.request_id, seq, tokens, fetch)
         self.counters.update(step_tokens=len(tokens), encoder_layer_tokens=len(tokens) * len(self.core.encoder))
         reply(answer, self._last_frames)
 
@@ -218,7 +220,9 @@ class EncoderComponent(Component):
         this process still holds the tables, so a slow or dead engram component costs time only."""
         try:
             rows = self.mailbox.take(request_id, start, end)
-            self.counters["engram_rows_early" if self.mailbox.leads_s[-1] >= 0 else "engram_rows_late"] += 1
+            lead_us = int(self.mailbox.leads_s[-1] * 1e6)  # > 0: the rows were there before they were needed
+            self.counters.update(engram_rows_early=lead_us >= 0, engram_rows_late=lead_us < 0,
+                                 engram_lead_us=max(lead_us, 0), engram_late_us=max(-lead_us, 0))
             return rows
         except ComponentError:
             self.counters["engram_fallbacks"] += 1

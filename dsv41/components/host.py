@@ -6,6 +6,7 @@ for a `process` component; `dsv41 component NAME` runs the same in the foregroun
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -38,13 +39,23 @@ def serve_forever(server: Server) -> None:
 LIGHT = ("tokenizer", "engram", "dspark", "kvstore")  # small tensor work: one thread leaves the cores to the model
 
 
-def main(argv: list[str]) -> int:
-    name, pipeline_file, runtime_dir = argv
-    if name in LIGHT:
-        import torch
+def compute_threads(name: str, pipeline: Pipeline) -> int:
+    """Torch threads of a component process: the `threads` option, else one for the light
+    components and half the cores for the encoder and the decoder (they take turns on a
+    request, and passively waiting threads wake slowly on the many small ops of a decode step)."""
+    given = pipeline.components[name].options.get("threads")
+    if given:
+        return int(given)
+    return 1 if name in LIGHT else max(1, (os.cpu_count() or 2) // 2)
 
-        torch.set_num_threads(1)
-    serve_forever(build_server(name, load_pipeline(Path(pipeline_file)), Path(runtime_dir)))
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    name, pipeline_file, runtime_dir = argv
+    pipeline = load_pipeline(Path(pipeline_file))
+    torch.set_num_threads(compute_threads(name, pipeline))
+    serve_forever(build_server(name, pipeline, Path(runtime_dir)))
     return 0
 
 

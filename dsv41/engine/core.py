@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,31 @@ class Counters:
 class Sequence:
     cache: DecodeCache
     counters: Counters = field(default_factory=Counters)
+
+
+class PrefetchedRows(Mapping):
+    """Engram rows by table index, fetched when the first Engram layer asks (so the fetch overlaps
+    the layers before it); when `fetch` gives None they are looked up here from the row ids."""
+
+    def __init__(self, fetch: Callable[[], dict | None], row_ids: torch.Tensor, model: Transformer):
+        self._fetch, self._row_ids, self._model = fetch, row_ids, model
+        self._rows: dict | None = None
+
+    def _get(self) -> dict:
+        if self._rows is None:
+            self._rows = self._fetch() or {
+                layer.engram.table_index: layer.engram.embed(self._row_ids[:, :, layer.engram.table_index])
+                for layer in self._model.layers if layer.engram is not None}
+        return self._rows
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._get()[index]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 class InferenceCore:
@@ -148,9 +174,9 @@ class InferenceCore:
         """Encoder layers on positions start..end-1; returns the streams from keep_from on (or None).
         A replay sees SWA positions from `start` only and leaves every global KV entry as loaded."""
         cache, first_decoder = seq.cache, self.decoder[0]
-        prefetched = rows_for(start, end) if rows_for is not None else None
-        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache, prefetched=prefetched is not None)
-        rows = prefetched if prefetched is not None else rows
+        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache)
+        if rows_for is not None:
+            rows = PrefetchedRows(lambda: rows_for(start, end), rows, self.model)
         shared = SharedAttention(start=start, cache=cache, emit_entries=not replay,
                                  window_floor=start if replay else 0, scored=seq.counters.indexer_scored)
         for layer in self.encoder:
@@ -185,17 +211,19 @@ class InferenceCore:
         return logits
 
     @torch.inference_mode()
-    def encode_tokens(self, seq: Sequence, tokens: list[int], rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_tokens(self, seq: Sequence, tokens: list[int], fetch_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder half of a step: new tokens at the next positions through layers 0..19;
-        advances the cache length. `rows`: prefetched Engram rows by table index."""
+        advances the cache length. `fetch_rows()` supplies prefetched Engram rows."""
         if not tokens:
             raise ValueError("a step needs at least one token")
         cache, start = seq.cache, seq.cache.length
         self.model.check_span(start, len(tokens), cache)
-        x, pre_mix, own_rows, live = self.model.begin(torch.tensor([tokens]), start, cache, prefetched=rows is not None)
+        x, pre_mix, rows, live = self.model.begin(torch.tensor([tokens]), start, cache)
+        if fetch_rows is not None:
+            rows = PrefetchedRows(fetch_rows, rows, self.model)
         shared = SharedAttention(start=start, cache=cache, scored=seq.counters.indexer_scored)
         for layer in self.encoder:
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, own_rows if rows is None else rows, live)
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live)
         seq.counters.encoder_layer_tokens += len(tokens) * len(self.encoder)
         cache.length = start + len(tokens)
         return x, pre_mix

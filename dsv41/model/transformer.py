@@ -7,6 +7,7 @@ so weights load by name. The vision tower and DSpark stages attach to the seams 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -75,24 +76,23 @@ class Transformer(nn.Module):
             trace.put(None, "final_normed_hidden", hidden)
         return ForwardOutput(logits, hidden, torch.cat(targets, dim=-1) if targets else None)
 
-    def begin(self, ids: torch.Tensor, start: int, cache: DecodeCache | None, image_mask: torch.Tensor | None = None,
-              prefetched: bool = False):
+    def begin(self, ids: torch.Tensor, start: int, cache: DecodeCache | None, image_mask: torch.Tensor | None = None):
         """The 4 replicated streams of ids at positions start.., the first pre-mix, Engram row ids
-        (None when `prefetched`: the rows come looked up from elsewhere) and the live-token mask."""
+        and the live-token mask."""
         hc = self.config.text_config.hc_mult
         live = None if image_mask is None else ~image_mask
-        rows = None if prefetched else self._engram_rows(ids, live, start, cache)
+        rows = self._engram_rows(ids, live, start, cache)
         x = self.embed_inputs(ids).unsqueeze(2).repeat(1, 1, hc, 1)
         return x, mhc.first_pre_mix(x, hc), rows, live
 
     def run_layer(self, layer, x, pre_mix, shared: SharedAttention, rows=None, live=None, image_mask=None,
                   targets: list | None = None):
         """One block (with its Engram) on streams x at positions shared.start.. . `rows` are Engram
-        row ids [b, s, n_tables, n_cols], or the looked-up rows by table index (prefetched)."""
+        row ids [b, s, n_tables, n_cols], or a mapping from table index to looked-up rows (prefetched)."""
         t, spec = self.config.text_config, layer.spec
         if layer.engram is not None:
             index = layer.engram.table_index
-            looked = rows[index] if isinstance(rows, dict) else layer.engram.embed(rows[:, :, index])
+            looked = rows[index] if isinstance(rows, Mapping) else layer.engram.embed(rows[:, :, index])
             x = layer.engram(x, looked, live)
             if shared.trace is not None:
                 shared.trace.put(spec.layer_id, "engram_out", x)
