@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from dsv41 import messages as m
+from dsv41.components.security import generate_keys
 from dsv41.engine.core import InferenceCore
 from dsv41.engine.prefix_cache import CachedPrefill
 from dsv41.model.reference import random_model
 from dsv41.pipelines.client import generate
-from dsv41.pipelines.launch import Supervisor
+from dsv41.pipelines.launch import Supervisor, with_overrides
+from dsv41.pipelines.schema import load_pipeline
 from dsv41.storage.blockfmt import BlockLayout
 from dsv41.storage.policy import PrefixCachePolicy
 from dsv41.storage.prefix import Fingerprint
@@ -76,10 +78,19 @@ def root():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_local_and_inproc_pipelines_equal_the_in_process_core(prompts, root):
-    # the in-process run ends with the first prompt again: a hit, as after the pipeline's restart
-    expected = in_process([*prompts, prompts[0]], root)
-    assert expected[1][1] == 32 and expected[3][1] == 32  # two 16-token blocks come from the store
+@pytest.fixture(scope="module")
+def expected(prompts):
+    """The in-process run, ending with the first prompt again: a hit, as after the pipeline's restart."""
+    path = short_dir()
+    try:
+        results = in_process([*prompts, prompts[0]], path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    assert results[1][1] == 32 and results[3][1] == 32  # two 16-token blocks come from the store
+    return results
+
+
+def test_local_and_inproc_pipelines_equal_the_in_process_core(prompts, expected, root):
     local = pipeline_for("process", root)
     with Supervisor(local, root / "run") as supervisor:
         assert through_pipeline(supervisor, prompts) == expected[:3]
@@ -91,3 +102,12 @@ def test_local_and_inproc_pipelines_equal_the_in_process_core(prompts, root):
         assert through_pipeline(supervisor, prompts) == expected[:3]
     with Supervisor(local, root / "run") as supervisor:  # a restarted pipeline, the same persistent store
         assert through_pipeline(supervisor, prompts[:1]) == expected[3:]
+
+
+def test_epd_over_tcp_with_curve_keys(prompts, expected, root):
+    generate_keys(root / "keys")
+    pipeline = with_overrides(load_pipeline("epd"), model={"config": "micro", "seed": 3},
+                              store={"path": str(root / "kv"), "block_tokens": 16},
+                              security={"keys_dir": str(root / "keys")})
+    with Supervisor(pipeline, root / "run") as supervisor:
+        assert through_pipeline(supervisor, prompts[:1]) == expected[:1]
