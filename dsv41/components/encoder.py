@@ -24,7 +24,8 @@ from dsv41.engine.core import InferenceCore, Sequence
 from dsv41.model.cache import export_blocks
 from dsv41.storage.blockfmt import BlockLayout
 
-STORE_TIMEOUT_S = 30.0
+LOOKUP_TIMEOUT_S = 5.0  # a lookup hashes the prompt and probes keys: slower means the store is in trouble
+STORE_TIMEOUT_S = 30.0  # block reads and writes move up to hundreds of MB
 
 
 class EngramMailbox:
@@ -172,7 +173,8 @@ class EncoderComponent(Component):
         """The prompt's block keys and the payloads of its longest stored chain, leaving at least
         one token to run; a kvstore that fails or is gone gives no keys (nothing stored either)."""
         try:
-            hit, _ = self.kvstore.call(m.Lookup(request_id=new_request_id(), ids=m.pack_ids(ids)))
+            hit, _ = self.kvstore.call(m.Lookup(request_id=new_request_id(), ids=m.pack_ids(ids)),
+                                       timeout_s=LOOKUP_TIMEOUT_S)
             usable = min(hit.cached_blocks, (len(ids) - 1) // self.layout.block_tokens)
             if not usable:
                 return hit.keys, []
