@@ -26,3 +26,15 @@ def rng() -> torch.Generator:
     seed = int(os.environ.get("DSV41_TEST_SEED", time.time_ns() % 2**31))
     print(f"rng seed {seed} (DSV41_TEST_SEED={seed} repeats it)")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def root():
+    """A fresh folder with a short path (Unix socket paths are limited to 107 bytes), removed after."""
+    import shutil
+
+    from tests.helpers.pipelines import short_dir
+
+    path = short_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -6,7 +6,6 @@ in-process inference core on the same weights (the micro model: 8 layers, W = 8)
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from dsv41.model.reference import random_model
 from dsv41.model.tokenizer import byte_tokenizer, encode
 from dsv41.storage.blockfmt import BlockLayout
 from dsv41.storage.store import GlobalKVStore
-from tests.helpers.pipelines import StandIn, endpoints, pipeline_for, short_dir, start_alone
+from tests.helpers.pipelines import StandIn, endpoints, pipeline_for, start_alone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,13 +26,6 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(params=["thread", "process"])
 def placement(request) -> str:
     return request.param
-
-
-@pytest.fixture
-def root():
-    path = short_dir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

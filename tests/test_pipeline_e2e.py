@@ -71,13 +71,6 @@ def through_pipeline(supervisor: Supervisor, prompts: list[list[int]]) -> list[t
     return results
 
 
-@pytest.fixture
-def root():
-    path = short_dir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def expected(prompts):
     """The in-process run, ending with the first prompt again: a hit, as after the pipeline's restart."""

@@ -4,7 +4,6 @@ when the supervisor itself is killed (RELIABILITY.md 7.4)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,16 +15,9 @@ import pytest
 
 from dsv41.pipelines import launch
 from dsv41.pipelines.launch import LaunchError, Supervisor, with_overrides
-from tests.helpers.pipelines import pipeline_for, short_dir
+from tests.helpers.pipelines import pipeline_for
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def root():
-    path = short_dir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
