@@ -18,7 +18,7 @@ import torch
 
 from dsv41.config import Part
 from dsv41.model import mhc
-from dsv41.model.attention import SharedAttention
+from dsv41.model.attention import SharedAttention, SharedBatch
 from dsv41.model.cache import DecodeCache, checkpoint, import_blocks, restore
 from dsv41.model.rope import table_for
 from dsv41.model.transformer import Transformer
@@ -65,6 +65,28 @@ class PrefetchedRows(Mapping):
 
     def __len__(self) -> int:
         return len(self._get())
+
+
+class ConcatenatedRows(Mapping):
+    """The looked-up Engram rows of a batch, concatenated along the sequence axis when first asked."""
+
+    def __init__(self, parts: list[Mapping]):
+        self._parts, self._rows = parts, {}
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index not in self._rows:
+            self._rows[index] = torch.cat([part[index] for part in self._parts], dim=1)
+        return self._rows[index]
+
+    def __iter__(self):
+        return iter(self._parts[0])
+
+    def __len__(self) -> int:
+        return len(self._parts[0])
+
+
+def _shared(parts: list[SharedAttention], sizes: list[int]) -> SharedAttention | SharedBatch:
+    return parts[0] if len(parts) == 1 else SharedBatch(parts, sizes)
 
 
 class InferenceCore:
@@ -205,43 +227,77 @@ class InferenceCore:
     def step(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
         """Run 1..k new tokens through all layers (decode, verification of drafted tokens, or a
         chunk of a `full` prefill); returns their logits [k, vocab]."""
-        start = seq.cache.length
-        x, pre_mix = self.encode_tokens(seq, tokens)
-        logits, _ = self.decode_streams(seq, x, pre_mix, start)
-        return logits
+        return self.step_batch([seq], [tokens])[0]
 
     @torch.inference_mode()
+    def step_batch(self, seqs: list[Sequence], tokens: list[list[int]]) -> list[torch.Tensor]:
+        """One step over several sequences of any lengths, 1..k tokens each: the per-token work
+        (mHC, norms, MoE, head) runs once over all their tokens, attention per sequence. Returns
+        each sequence's logits [k_i, vocab]."""
+        starts = [seq.cache.length for seq in seqs]
+        x, pre_mix = self.encode_tokens_batch(seqs, tokens)
+        return self.decode_streams_batch(seqs, x, pre_mix, starts, [len(t) for t in tokens])[0]
+
     def encode_tokens(self, seq: Sequence, tokens: list[int], fetch_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder half of a step: new tokens at the next positions through layers 0..19;
         advances the cache length. `fetch_rows()` supplies prefetched Engram rows."""
-        if not tokens:
-            raise ValueError("a step needs at least one token")
-        cache, start = seq.cache, seq.cache.length
-        self.model.check_span(start, len(tokens), cache)
-        x, pre_mix, rows, live = self.model.begin(torch.tensor([tokens]), start, cache)
-        if fetch_rows is not None:
-            rows = PrefetchedRows(fetch_rows, rows, self.model)
-        shared = SharedAttention(start=start, cache=cache, scored=seq.counters.indexer_scored)
-        for layer in self.encoder:
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live)
-        seq.counters.encoder_layer_tokens += len(tokens) * len(self.encoder)
-        cache.length = start + len(tokens)
-        return x, pre_mix
+        return self.encode_tokens_batch([seq], [tokens], [fetch_rows])
 
     @torch.inference_mode()
+    def encode_tokens_batch(self, seqs: list[Sequence], tokens: list[list[int]],
+                            fetch_rows: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode_tokens` for several sequences: their streams concatenated along the sequence axis."""
+        parts, xs, pre_mixes, rows = [], [], [], []
+        for seq, ids, fetch in zip(seqs, tokens, fetch_rows or [None] * len(seqs), strict=True):
+            if not ids:
+                raise ValueError("a step needs at least one token")
+            cache, start = seq.cache, seq.cache.length
+            self.model.check_span(start, len(ids), cache)
+            x, pre_mix, row_ids, _ = self.model.begin(torch.tensor([ids]), start, cache)
+            xs.append(x)
+            pre_mixes.append(pre_mix)
+            rows.append(PrefetchedRows(fetch, row_ids, self.model) if fetch is not None else row_ids)
+            parts.append(SharedAttention(start=start, cache=cache, scored=seq.counters.indexer_scored))
+        shared = _shared(parts, [len(ids) for ids in tokens])
+        x, pre_mix, rows = torch.cat(xs, dim=1), torch.cat(pre_mixes, dim=1), self._batch_rows(rows)
+        for layer in self.encoder:
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows)
+        for seq, ids in zip(seqs, tokens, strict=True):
+            seq.counters.encoder_layer_tokens += len(ids) * len(self.encoder)
+            seq.cache.length += len(ids)
+        return x, pre_mix
+
+    def _batch_rows(self, rows: list):
+        """Engram rows of the batch: row ids concatenated, or lazily concatenated looked-up rows."""
+        if rows[0] is None or all(isinstance(r, torch.Tensor) for r in rows):
+            return None if rows[0] is None else torch.cat(rows, dim=1)
+        return ConcatenatedRows([r if isinstance(r, Mapping) else PrefetchedRows(lambda: None, r, self.model)
+                                 for r in rows])
+
     def decode_streams(self, seq: Sequence, x: torch.Tensor, pre_mix: torch.Tensor,
                        start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder half of a step: encoder output streams of positions start.. through layers
         20..39 and the head; returns logits [k, vocab] and DSpark's input [k, 3 * dim]."""
-        cache, s = seq.cache, x.size(1)
-        self.model.check_span(start, s, cache)
-        shared = SharedAttention(start=start, cache=cache, scored=seq.counters.indexer_scored)
+        logits, hidden = self.decode_streams_batch([seq], x, pre_mix, [start], [x.size(1)])
+        return logits[0], hidden[0]
+
+    @torch.inference_mode()
+    def decode_streams_batch(self, seqs: list[Sequence], x: torch.Tensor, pre_mix: torch.Tensor, starts: list[int],
+                             sizes: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`decode_streams` for several sequences whose streams are concatenated (sizes[i] each)."""
+        parts = []
+        for seq, start, size in zip(seqs, starts, sizes, strict=True):
+            self.model.check_span(start, size, seq.cache)
+            parts.append(SharedAttention(start=start, cache=seq.cache, scored=seq.counters.indexer_scored))
         targets: list[torch.Tensor] = []
+        shared = _shared(parts, sizes)
         for layer in self.decoder:
             x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, targets=targets)
-        seq.counters.decoder_layer_tokens += s * len(self.decoder)
-        cache.length = start + s
-        return self.model.finish(x, pre_mix)[1][0], torch.cat(targets, dim=-1)[0]
+        for seq, start, size in zip(seqs, starts, sizes, strict=True):
+            seq.counters.decoder_layer_tokens += size * len(self.decoder)
+            seq.cache.length = start + size
+        logits = self.model.finish(x, pre_mix)[1][0]
+        return list(logits.split(sizes)), list(torch.cat(targets, dim=-1)[0].split(sizes))
 
     @staticmethod
     @torch.inference_mode()

@@ -45,6 +45,21 @@ class SharedAttention:
     trace: Trace | None = None
 
 
+@dataclass
+class SharedBatch:
+    """Several sequences' tokens concatenated along the sequence axis for one batched step: the
+    per-token work (mHC, norms, MoE) runs once over all of them, attention per sequence with its
+    own positions and caches (`parts[i]` holds sizes[i] tokens)."""
+
+    parts: list[SharedAttention]
+    sizes: list[int]
+    trace: Trace | None = None
+
+    @property
+    def capacity(self) -> int:
+        return max(part.cache.capacity for part in self.parts)
+
+
 # Index tables have a fixed width (W window columns, index_topk entry columns) and list each row's
 # valid indices first: a query's attention then does not depend on how long the sequence or the
 # chunk it came in is. Where the official code's tables are narrower (fewer tokens than W or k)

@@ -8,7 +8,7 @@ from torch import nn
 from dsv41.config import LayerSpec, TextConfig
 from dsv41.kernels import dispatch
 from dsv41.model import mhc
-from dsv41.model.attention import Attention, SharedAttention
+from dsv41.model.attention import Attention, SharedAttention, SharedBatch
 from dsv41.model.layers import RMSNorm
 from dsv41.model.moe import MoE
 
@@ -35,12 +35,12 @@ class Block(nn.Module):
         return mhc.predict(x, fn, scale, base, self.hc, self.iters, self.hc_eps, self.eps)
 
     def forward(
-        self, x: torch.Tensor, pre_mix: torch.Tensor, table: torch.Tensor, shared: SharedAttention,
+        self, x: torch.Tensor, pre_mix: torch.Tensor, table: torch.Tensor, shared: SharedAttention | SharedBatch,
         image_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hc, dim]; pre_mix is the previous sub-layer's pre. Returns (stream, ffn pre)."""
         attn_pre, attn_post, attn_comb = self.coefficients(x, "attn")
-        attn_out = self.attn(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
+        attn_out = self._attention(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
         # one pass: residual update, the FFN's input collapse and its coefficient prediction
         x, ffn_in, ffn_pre, ffn_post, ffn_comb = dispatch.mhc_update(
             x, attn_out, attn_post, attn_comb, attn_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
@@ -55,6 +55,13 @@ class Block(nn.Module):
             for name, value in recorded.items():
                 shared.trace.put(self.spec.layer_id, name, value)
         return x, ffn_pre
+
+
+    def _attention(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention | SharedBatch) -> torch.Tensor:
+        if isinstance(shared, SharedAttention):
+            return self.attn(x, table, shared)
+        parts = x.split(shared.sizes, dim=1)
+        return torch.cat([self.attn(part, table, one) for part, one in zip(parts, shared.parts, strict=True)], dim=1)
 
 
 def _fp32(device, *shape: int) -> nn.Parameter:

@@ -15,7 +15,7 @@ from torch import nn
 
 from dsv41.config import ModelConfig, Part
 from dsv41.model import mhc, numerics
-from dsv41.model.attention import SharedAttention
+from dsv41.model.attention import SharedAttention, SharedBatch
 from dsv41.model.blocks import Block
 from dsv41.model.cache import DecodeCache
 from dsv41.model.engram import Engram, EngramHasher
@@ -98,7 +98,10 @@ class Transformer(nn.Module):
                 shared.trace.put(spec.layer_id, "engram_out", x)
         if spec.dspark_target and targets is not None:
             targets.append(numerics.wide(x).mean(dim=2).to(x.dtype))
-        n_positions = shared.start + x.size(1) if shared.cache is None else shared.cache.capacity
+        if isinstance(shared, SharedBatch):
+            n_positions = shared.capacity
+        else:
+            n_positions = shared.start + x.size(1) if shared.cache is None else shared.cache.capacity
         return layer(x, pre_mix, table_for(t, spec.rope, n_positions), shared, image_mask)
 
     def finish(self, x: torch.Tensor, pre_mix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
