@@ -185,6 +185,51 @@ class Step(Message):
     engram_prefetch: bool = False
 
 
+class StepItem(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True):
+    request_id: RequestId
+    ids: TokenBytes
+    engram_prefetch: bool = False
+
+
+MAX_BATCH = 256
+BatchIds = Annotated[list[RequestId], msgspec.Meta(max_length=MAX_BATCH)]
+BatchCounts = Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
+
+
+class BatchStep(Message):
+    """One step of several requests (1..k tokens each), computed as one batch."""
+
+    request_id: RequestId  # of the batch
+    items: Annotated[list[StepItem], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class ItemError(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True):
+    """A request of a batch that could not be stepped (the others were)."""
+
+    request_id: RequestId
+    code: ErrorCode
+    component: ShortText
+    text: ShortText
+
+
+class DecoderBatchStep(Message):
+    request_id: RequestId  # of the batch
+    request_ids: BatchIds
+    starts: BatchCounts
+    sizes: BatchCounts  # tokens of each request; the streams are concatenated in this order
+    streams: Tensor  # [1, sum(sizes), hc, dim]
+    pre_mix: Tensor
+
+
+class BatchLogits(Message):
+    request_id: RequestId  # of the batch
+    request_ids: BatchIds  # the requests stepped, in order
+    sizes: BatchCounts
+    logits: Tensor  # [sum(sizes), vocab] fp32
+    main_hidden: Tensor | None = None  # [sum(sizes), 3 * dim]
+    errors: Annotated[list[ItemError], msgspec.Meta(max_length=MAX_BATCH)] = []
+
+
 class DecoderPrefill(Message):
     """Encoder -> decoder: the decoder group's global KV for positions [0, length) (packed
     entries), and the encoder output streams the decoder replay starts from."""
@@ -299,6 +344,9 @@ class KIND(IntEnum):
     DECODER_PREFILL = 22
     DECODER_STEP = 23
     LOGITS = 24
+    BATCH_STEP = 25
+    DECODER_BATCH_STEP = 26
+    BATCH_LOGITS = 27
     ENGRAM_PREFETCH = 30
     ENGRAM_ROWS = 31
     LOOKUP = 40
@@ -314,7 +362,8 @@ TYPES: dict[KIND, type[Message]] = {
     KIND.GENERATE: Generate, KIND.TOKEN: TokenEvent, KIND.FINISHED: Finished, KIND.TOKENIZE: Tokenize,
     KIND.TOKENS: Tokens, KIND.DETOKENIZE: Detokenize, KIND.DETOKENIZED: Detokenized,
     KIND.PREFILL: Prefill, KIND.STEP: Step, KIND.DECODER_PREFILL: DecoderPrefill, KIND.DECODER_STEP: DecoderStep,
-    KIND.LOGITS: Logits, KIND.ENGRAM_PREFETCH: EngramPrefetch, KIND.ENGRAM_ROWS: EngramRows,
+    KIND.LOGITS: Logits, KIND.BATCH_STEP: BatchStep, KIND.DECODER_BATCH_STEP: DecoderBatchStep,
+    KIND.BATCH_LOGITS: BatchLogits, KIND.ENGRAM_PREFETCH: EngramPrefetch, KIND.ENGRAM_ROWS: EngramRows,
     KIND.LOOKUP: Lookup, KIND.LOOKUP_RESULT: LookupResult, KIND.GET_BLOCKS: GetBlocks, KIND.BLOCKS: Blocks,
     KIND.PUT_BLOCKS: PutBlocks, KIND.STORED: Stored,
 }

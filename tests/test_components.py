@@ -211,11 +211,47 @@ def test_decoder_matches_the_in_process_decoder_half(running, model, rng):
     assert peer.call(m.Release(request_id=11))[0] == m.Ack(request_id=11)
 
 
+def _prefill_message(rid: int, seq, x, pre_mix, starts, n: int, group: int):
+    out = m.Frames()
+    kv = seq.cache.groups[group]
+    return m.DecoderPrefill(request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
+                            main_kv=out.add(kv.main_kv.data[0, :n]), index_k=out.add(kv.index_k.data[0, :n]),
+                            streams=out.add(x), pre_mix=out.add(pre_mix)), out
+
+
+def test_decoder_steps_a_batch_like_the_in_process_batch(running, model, rng):
+    r = running("decoder")
+    peer = r.start()
+    group, seqs = model.config.plan.decoder_start, {}
+    for rid, n in ((31, 6), (32, 19)):
+        ids = torch.randint(3, 300, (n,), generator=rng).tolist()
+        core, seq, x, pre_mix, starts = _encoded_prompt(model, ids)
+        peer.call(*_prefill_message(rid, seq, x, pre_mix, starts, n, group))
+        core.decoder_replay(seq, x, pre_mix, starts, n)
+        seqs[rid] = seq
+    tokens = [[7], [8, 9]]
+    starts = [seqs[31].cache.length, seqs[32].cache.length]
+    x, pre_mix = core.encode_tokens_batch(list(seqs.values()), tokens)
+    out = m.Frames()
+    batch = m.DecoderBatchStep(request_id=40, request_ids=[31, 99, 32], starts=[starts[0], 0, starts[1]],
+                               sizes=[1, 1, 2], streams=out.add(torch.cat([x[:, :1], x[:, :1], x[:, 1:]], dim=1)),
+                               pre_mix=out.add(torch.cat([pre_mix[:, :1], pre_mix[:, :1], pre_mix[:, 1:]], dim=1)))
+    answer, frames = peer.call(batch, out)
+    expected, hidden = core.decode_streams_batch(list(seqs.values()), x, pre_mix, starts, [1, 2])
+    assert (answer.request_ids, answer.sizes) == ([31, 32], [1, 2])
+    assert [(e.request_id, e.code) for e in answer.errors] == [(99, m.ErrorCode.UNKNOWN_REQUEST)]
+    assert torch.equal(m.tensor(answer.logits, frames), torch.cat(expected))
+    assert torch.equal(m.tensor(answer.main_hidden, frames), torch.cat(hidden))
+
+
 def _logits_answer(vocab: int):
     def answer(message, frames):
         if isinstance(message, m.Release):
             return m.Ack(request_id=message.request_id), None
         out = m.Frames()
+        if isinstance(message, m.DecoderBatchStep):
+            return m.BatchLogits(request_id=message.request_id, request_ids=message.request_ids, sizes=message.sizes,
+                                 logits=out.add(torch.zeros(sum(message.sizes), vocab))), out
         return m.Logits(request_id=message.request_id, logits=out.add(torch.zeros(1, vocab))), out
     return answer
 
@@ -259,18 +295,33 @@ def test_dspark_schedules_decoding_and_fails_requests_alone(running):
         (m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None)
         if isinstance(message, m.Tokenize) else
         (m.Detokenized(request_id=message.request_id, text="x" * (len(message.ids) // 4)), None)))
-    steps = []
+    steps, batches = [], []
 
-    def encoder(message, frames):
-        if isinstance(message, m.Release):
-            return m.Ack(request_id=message.request_id), None
-        if isinstance(message, m.Step) and m.unpack_ids(message.ids) == [42]:
-            return m.error_reply(message.request_id, m.ErrorCode.UNAVAILABLE, "decoder", "gone"), None
-        steps.append(message)
+    def one_hot() -> torch.Tensor:
         logits = torch.zeros(1, 320)
         logits[0, 10 + len(steps)] = 1.0  # the greedy choice: 11, 12, 13, ...
+        return logits
+
+    def encoder(message, frames):
         out = m.Frames()
-        return m.Logits(request_id=message.request_id, logits=out.add(logits), cached_tokens=3), out
+        if isinstance(message, m.Release):
+            return m.Ack(request_id=message.request_id), None
+        if isinstance(message, m.Prefill):
+            steps.append(message)
+            return m.Logits(request_id=message.request_id, logits=out.add(one_hot()), cached_tokens=3), out
+        batches.append(message)
+        rows, stepped, errors = [], [], []
+        for item in message.items:
+            if m.unpack_ids(item.ids) == [42]:  # this request's step fails downstream, the others go on
+                errors.append(m.ItemError(request_id=item.request_id, code=m.ErrorCode.UNAVAILABLE,
+                                          component="decoder", text="gone"))
+                continue
+            steps.append(item)
+            rows.append(one_hot())
+            stepped.append(item.request_id)
+        logits = torch.cat(rows) if rows else torch.empty(0, 320)
+        return m.BatchLogits(request_id=message.request_id, request_ids=stepped, sizes=[1] * len(stepped),
+                             logits=out.add(logits), errors=errors), out
 
     r.stand_in("encoder", encoder)
     peer = r.start()
@@ -291,3 +342,33 @@ def test_dspark_schedules_decoding_and_fails_requests_alone(running):
     assert (e.value.code, e.value.component) == (m.ErrorCode.UNAVAILABLE, "decoder")
     events = list(peer.stream(m.Generate(request_id=8, prompt="ok", max_new_tokens=1)))
     assert events[-1].reason == m.FinishReason.LENGTH  # the failed request failed alone
+    two = [r.peer(), r.peer()]  # two requests in flight: their steps go to the encoder as one batch
+    for rid, client in enumerate(two, start=20):
+        client.send(m.Generate(request_id=rid, prompt="ab", max_new_tokens=8))
+    for rid, client in enumerate(two, start=20):
+        while not isinstance(client.receive(rid)[0], m.Finished):
+            pass
+    assert max(len(b.items) for b in batches) == 2
+
+
+def test_encoder_steps_a_batch_and_reports_the_requests_it_cannot_step(running, model, rng):
+    r = running("encoder")
+    decoder = r.stand_in("decoder", _logits_answer(320))
+    peer = r.start()
+    seqs, core = [], None
+    for rid, n in ((51, 9), (52, 30)):
+        ids = torch.randint(3, 300, (n,), generator=rng).tolist()
+        peer.call(m.Prefill(request_id=rid, ids=m.pack_ids(ids), capacity=64))
+        core, seq, *_ = _encoded_prompt(model, ids)
+        seqs.append(seq)
+    items = [m.StepItem(request_id=51, ids=m.pack_ids([4])), m.StepItem(request_id=77, ids=m.pack_ids([4])),
+             m.StepItem(request_id=52, ids=m.pack_ids([5, 6]))]
+    answer, _ = peer.call(m.BatchStep(request_id=60, items=items))
+    assert (answer.request_ids, answer.sizes) == ([51, 52], [1, 2])
+    assert [(e.request_id, e.code, e.component) for e in answer.errors] == [(77, m.ErrorCode.UNKNOWN_REQUEST,
+                                                                              "encoder")]
+    sent, frames = decoder.received[-1]
+    x, pre_mix = core.encode_tokens_batch(seqs, [[4], [5, 6]])
+    frames = [memoryview(f) for f in frames]
+    assert (sent.request_ids, sent.starts, sent.sizes) == ([51, 52], [9, 30], [1, 2])
+    assert torch.equal(m.tensor(sent.streams, frames), x) and torch.equal(m.tensor(sent.pre_mix, frames), pre_mix)

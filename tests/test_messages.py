@@ -192,7 +192,8 @@ def _value(draw, t: msgspec.inspect.Type, frames: list[bytes]):
         low = t.min_length or 0
         return draw(st.binary(min_size=low, max_size=max(low, 24)))
     if isinstance(t, mi.ListType):
-        return [_value(draw, t.item_type, frames) for _ in range(draw(st.integers(0, min(3, t.max_length or 3))))]
+        count = draw(st.integers(t.min_length or 0, max(t.min_length or 0, min(3, t.max_length or 3))))
+        return [_value(draw, t.item_type, frames) for _ in range(count)]
     if isinstance(t, mi.DictType):
         keys = draw(st.lists(st.text(max_size=8), max_size=3, unique=True))
         return {k: _value(draw, t.value_type, frames) for k in keys}

@@ -21,7 +21,7 @@ from dsv41.model.cache import DecodeCache
 
 class DecoderComponent(Component):
     name = "decoder"
-    accepts = frozenset({m.KIND.DECODER_PREFILL, m.KIND.DECODER_STEP, m.KIND.RELEASE})
+    accepts = frozenset({m.KIND.DECODER_PREFILL, m.KIND.DECODER_STEP, m.KIND.DECODER_BATCH_STEP, m.KIND.RELEASE})
 
     def __init__(self, context: ComponentContext):
         super().__init__()
@@ -39,6 +39,8 @@ class DecoderComponent(Component):
                 reply(*self._prefill(message, frames))
             case m.DecoderStep():
                 reply(*self._step(message, frames))
+            case m.DecoderBatchStep():
+                reply(*self._batch_step(message, frames))
             case m.Release():
                 self.sequences.pop(message.request_id)
                 reply(m.Ack(request_id=message.request_id))
@@ -81,6 +83,38 @@ class DecoderComponent(Component):
         logits, hidden = self.core.decode_streams(seq, x, pre_mix, message.start)
         self.counters.update(step_tokens=x.size(1), decoder_layer_tokens=x.size(1) * len(self.core.decoder))
         return self._answer(rid, seq, logits, hidden)
+
+    def _batch_step(self, message: m.DecoderBatchStep, frames: list[memoryview]):
+        """Step every request of the batch that can be stepped, as one batch; the others are
+        reported one by one in `errors`."""
+        if not len(message.request_ids) == len(message.starts) == len(message.sizes):
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, "request_ids, starts and sizes differ in length")
+        x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
+        if x.size(1) != sum(message.sizes) or pre_mix.size(1) != x.size(1):
+            raise m.MessageError(m.ErrorCode.BAD_TENSOR, f"streams of {x.size(1)} tokens for sizes {message.sizes}")
+        keep, seqs, errors = [], [], []
+        for i, (rid, start) in enumerate(zip(message.request_ids, message.starts, strict=True)):
+            try:
+                seq = self.sequences.get(rid)
+                if start != seq.cache.length:
+                    raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"step at position {start}, but the sequence "
+                                         f"holds {seq.cache.length} positions")
+            except m.MessageError as e:
+                errors.append(m.ItemError(request_id=rid, code=e.code, component=self.name, text=str(e)))
+                continue
+            keep.append(i)
+            seqs.append(seq)
+        sizes = [message.sizes[i] for i in keep]
+        out = m.Frames()
+        logits = hidden = torch.empty(0)
+        if keep:
+            x, pre_mix = (torch.cat([t.split(message.sizes, dim=1)[i] for i in keep], dim=1) for t in (x, pre_mix))
+            logits, hidden = self.core.decode_streams_batch(seqs, x, pre_mix, [message.starts[i] for i in keep], sizes)
+            logits, hidden = torch.cat(logits), torch.cat(hidden)
+            self.counters.update(batches=1, step_tokens=sum(sizes),
+                                 decoder_layer_tokens=sum(sizes) * len(self.core.decoder))
+        return m.BatchLogits(request_id=message.request_id, request_ids=[message.request_ids[i] for i in keep],
+                             sizes=sizes, logits=out.add(logits), main_hidden=out.add(hidden), errors=errors), out
 
     def _answer(self, rid: int, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor | None):
         out = m.Frames()

@@ -101,24 +101,38 @@ class DSparkComponent(Component):
         return True
 
     def tick(self) -> bool:
+        """One batched step of every request in flight (up to MAX_BATCH of them)."""
         if not self.active:
             return False
-        request = self.active.popleft()
+        batch = [self.active.popleft() for _ in range(min(len(self.active), m.MAX_BATCH))]
         try:
-            self._step(request)
+            items = [self._step_item(request) for request in batch]
+            answer, frames = self.encoder.call(m.BatchStep(request_id=new_request_id(), items=items))
         except (ComponentError, m.MessageError) as e:
-            self._fail(request, request.client_id, request.reply, e)
+            for request in batch:
+                self._fail(request, request.client_id, request.reply, e)
+            return True
+        logits = dict(zip(answer.request_ids, m.tensor(answer.logits, frames).split(answer.sizes), strict=True))
+        errors = {e.request_id: ComponentError(e.code, e.component, e.text) for e in answer.errors}
+        for request in batch:
+            try:
+                if request.internal_id not in logits:
+                    raise errors.get(request.internal_id) or ComponentError(
+                        m.ErrorCode.INTERNAL, "encoder", "the batch reply left this request out")
+                self._emit(request, logits[request.internal_id][-1])
+            except (ComponentError, m.MessageError) as e:
+                self._fail(request, request.client_id, request.reply, e)
         return True
 
-    def _step(self, request: Request) -> None:
+    def _step_item(self, request: Request) -> m.StepItem:
+        """The request's next step: its last token (with the Engram rows pushed ahead)."""
         token, rid = request.generated[-1], request.internal_id
         position = request.prompt_tokens + len(request.generated) - 1
         window = [*request.tail, token]
         request.tail = window[max(0, len(window) - self.lookback):] if self.lookback else []
         prefetched = self._prefetch(m.EngramPrefetch(request_id=rid, ids=m.pack_ids(window),
                                                      offset=position + 1 - len(window), start=position))
-        answer, frames = self.encoder.call(m.Step(request_id=rid, ids=m.pack_ids([token]), engram_prefetch=prefetched))
-        self._emit(request, m.tensor(answer.logits, frames)[-1])
+        return m.StepItem(request_id=rid, ids=m.pack_ids([token]), engram_prefetch=prefetched)
 
     def _emit(self, request: Request, logits: torch.Tensor) -> None:
         token = int(sample_next(logits.unsqueeze(0), request.sampling, request.generator)[0])

@@ -13,6 +13,7 @@ import functools
 import threading
 import time
 
+import msgspec
 import torch
 
 from dsv41 import messages as m
@@ -71,7 +72,7 @@ class EngramMailbox:
 
 class EncoderComponent(Component):
     name = "encoder"
-    accepts = frozenset({m.KIND.PREFILL, m.KIND.STEP, m.KIND.RELEASE})
+    accepts = frozenset({m.KIND.PREFILL, m.KIND.STEP, m.KIND.BATCH_STEP, m.KIND.RELEASE})
     early = frozenset({m.KIND.ENGRAM_ROWS})
 
     def __init__(self, context: ComponentContext):
@@ -97,6 +98,8 @@ class EncoderComponent(Component):
                 self._prefill(message, reply)
             case m.Step():
                 self._step(message, reply)
+            case m.BatchStep():
+                self._batch_step(message, reply)
             case m.Release():
                 self._release(message.request_id)
                 reply(m.Ack(request_id=message.request_id))
@@ -204,18 +207,56 @@ class EncoderComponent(Component):
     # --- decode ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _step(self, message: m.Step, reply: Reply) -> None:
-        seq = self.sequences.get(message.request_id)
-        tokens = m.unpack_ids(message.ids)
-        if not tokens or seq.cache.length + len(tokens) > seq.cache.capacity:
-            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(tokens)} tokens do not fit: "
-                                 f"{seq.cache.length} of {seq.cache.capacity} positions used")
-        fetch, start = None, seq.cache.length
-        if message.engram_prefetch:
-            def fetch():
-                return self._rows(message.request_id, start, start + len(tokens))
+        seq, tokens, fetch = self._step_input(message)
         answer = self._forward(message.request_id, seq, tokens, fetch)
         self.counters.update(step_tokens=len(tokens), encoder_layer_tokens=len(tokens) * len(self.core.encoder))
         reply(answer, self._last_frames)
+
+    def _step_input(self, item: m.Step | m.StepItem) -> tuple[Sequence, list[int], functools.partial | None]:
+        """The sequence, the new tokens and the prefetched-rows source of one request's step."""
+        seq, tokens = self.sequences.get(item.request_id), m.unpack_ids(item.ids)
+        if not tokens or seq.cache.length + len(tokens) > seq.cache.capacity:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(tokens)} tokens do not fit: "
+                                 f"{seq.cache.length} of {seq.cache.capacity} positions used")
+        start = seq.cache.length
+        fetch = functools.partial(self._rows, item.request_id, start, start + len(tokens)) if item.engram_prefetch \
+            else None
+        return seq, tokens, fetch
+
+    @torch.inference_mode()
+    def _batch_step(self, message: m.BatchStep, reply: Reply) -> None:
+        """Step the batch's requests as one batch; a request that cannot be stepped is reported
+        alone in `errors`, and the decoder's per-request errors are passed on."""
+        rids, inputs, errors = [], [], []
+        for item in message.items:
+            try:
+                if item.request_id in rids:
+                    raise m.MessageError(m.ErrorCode.INVALID_REQUEST, "the same request twice in one batch")
+                inputs.append(self._step_input(item))
+                rids.append(item.request_id)
+            except m.MessageError as e:
+                errors.append(m.ItemError(request_id=item.request_id, code=e.code, component=self.name, text=str(e)))
+        if not inputs:
+            out = m.Frames()
+            reply(m.BatchLogits(request_id=message.request_id, request_ids=[], sizes=[],
+                                logits=out.add(torch.empty(0)), errors=errors), out)
+            return
+        seqs, tokens, fetches = (list(column) for column in zip(*inputs, strict=True))
+        starts, sizes = [seq.cache.length for seq in seqs], [len(t) for t in tokens]
+        x, pre_mix = self.core.encode_tokens_batch(seqs, tokens, fetches)
+        self.counters.update(batches=1, step_tokens=sum(sizes),
+                             encoder_layer_tokens=sum(sizes) * len(self.core.encoder))
+        out = m.Frames()
+        answer, frames = self.decoder.call(m.DecoderBatchStep(
+            request_id=message.request_id, request_ids=rids, starts=starts, sizes=sizes, streams=out.add(x),
+            pre_mix=out.add(pre_mix)), out)
+        relayed = m.Frames()
+        tensors = [m.tensor(answer.logits, frames)]
+        if answer.main_hidden is not None:
+            tensors.append(m.tensor(answer.main_hidden, frames))
+        descriptors = [relayed.add(t) for t in tensors]
+        reply(msgspec.structs.replace(answer, logits=descriptors[0], main_hidden=(descriptors[1:] or [None])[0],
+                                      errors=errors + list(answer.errors)), relayed)
 
     def _rows(self, request_id: int, start: int, end: int) -> dict[int, torch.Tensor] | None:
         """Prefetched Engram rows, or None (look them up here) when they do not come in time:

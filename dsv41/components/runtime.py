@@ -77,7 +77,13 @@ class _IpcLock:
             raise EndpointInUse(f"{endpoint} is bound by another running process (lock {self.path}.lock)") from None
         self.path.unlink(missing_ok=True)  # a stale socket file left by a killed process
 
-    def release(self) -> None:
+    def release(self, settle_s: float = 1.0) -> None:
+        """After the socket is closed. ZeroMQ tears its listener down in the background and then
+        removes the socket file; waiting for that keeps a late removal from deleting the socket
+        file of the next process to bind this path."""
+        deadline = time.monotonic() + settle_s
+        while self.path.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
         self.path.unlink(missing_ok=True)
         Path(f"{self.path}.lock").unlink(missing_ok=True)
         os.close(self.fd)
