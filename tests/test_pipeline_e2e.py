@@ -104,3 +104,22 @@ def test_epd_over_tcp_with_curve_keys(prompts, expected, root):
                               security={"keys_dir": str(root / "keys")})
     with Supervisor(pipeline, root / "run") as supervisor:
         assert through_pipeline(supervisor, prompts[:1]) == expected[:1]
+
+
+def test_requests_in_flight_together_are_stepped_as_one_batch(prompts, root):
+    with Supervisor(pipeline_for("process", root), root / "run") as supervisor:
+        clients = [supervisor.peer(), supervisor.peer()]
+        requests = [m.Generate(request_id=1000 + i, ids=m.pack_ids(ids), max_new_tokens=30, stop_at_eos=False)
+                    for i, ids in enumerate(prompts[:2])]
+        for client, request in zip(clients, requests, strict=True):
+            client.send(request)
+        for client, request in zip(clients, requests, strict=True):
+            events = []
+            while not isinstance((event := client.receive(request.request_id)[0]), m.Finished):
+                events.append(event)
+            assert len(events) == event.generated_tokens == 30
+            client.close()
+        encoder = supervisor.peer("encoder")
+        counters = encoder.ping().counters
+        encoder.close()
+    assert counters["step_tokens"] == 2 * 29 and counters["batches"] < counters["step_tokens"]
