@@ -340,6 +340,29 @@ def test_killed_server_process_fails_the_call_and_its_endpoint_is_reusable(net, 
     assert _echo_call(peer, "after the kill", 2) == list(b"after the kill")  # the same peer reconnects
 
 
+@pytest.mark.timeout(30)
+def test_a_frozen_tcp_peer_is_dropped_by_heartbeats(net):
+    with socket.socket() as probe:  # a free loopback port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, endpoint], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        peer = net.peer(endpoint, timeout_s=25.0)
+        assert peer.ping(timeout_s=10).component == "echo"
+        os.killpg(proc.pid, signal.SIGSTOP)  # frozen: the connection stays open, nothing answers
+        peer.send(m.Tokenize(request_id=1, text="never answered"))
+        with pytest.raises(ComponentError) as info:
+            peer.receive(1)
+        assert "disconnected while answering" in info.value.text  # the heartbeat, well before the deadline
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+
+
 # --- deadlines ------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(30)

@@ -32,6 +32,7 @@ from dsv41.components.security import CurveServer, apply_curve_client, check_bin
 from dsv41.pipelines.schema import endpoint_problem
 
 LINGER_MS = 200
+HEARTBEAT_MS = 1000
 IPC_PATH_LIMIT = 107
 _ids = itertools.count(int(time.time() * 1000) << 16)
 
@@ -103,6 +104,10 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, keys_dir
         if kind == zmq.DEALER:
             sock.setsockopt(zmq.IMMEDIATE, 1)
         tcp = endpoint.startswith("tcp://")
+        if tcp:  # a frozen or unplugged peer drops its connection (and fails its calls) within about 3 s
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * HEARTBEAT_MS)
         if bind:
             if tcp:
                 check_bind_allowed(endpoint, keys_dir)
