@@ -70,6 +70,14 @@ class EngramMailbox:
             self._rows.pop(request_id, None)
 
 
+def _relay(answer: m.Logits | m.BatchLogits, frames: list[memoryview]):
+    """The decoder's reply, its tensors in new frames to pass on (the received buffers are not kept)."""
+    out = m.Frames()
+    logits = out.add(m.tensor(answer.logits, frames))
+    hidden = None if answer.main_hidden is None else out.add(m.tensor(answer.main_hidden, frames))
+    return msgspec.structs.replace(answer, logits=logits, main_hidden=hidden), out
+
+
 class EncoderComponent(Component):
     name = "encoder"
     accepts = frozenset({m.KIND.PREFILL, m.KIND.STEP, m.KIND.BATCH_STEP, m.KIND.RELEASE})
@@ -115,18 +123,17 @@ class EncoderComponent(Component):
         waited = self.mailbox.waited_s
         rows_for = (lambda start, end: self._rows(rid, start, end)) if message.engram_prefetch else None
         if message.mode == "full":
-            logits = self._prefill_full(rid, seq, ids, rows_for)
+            answer, out = self._prefill_full(rid, seq, ids, rows_for)
         else:
-            logits = self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for)
+            answer, out = self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for)
             self._store_blocks(seq, keys, len(blocks))
         c = seq.counters
         self.counters.update(prefills=1, prompt_tokens=len(ids), cached_tokens=cached,
                              encoder_layer_tokens=c.encoder_layer_tokens, replayed_layer_tokens=c.replayed_layer_tokens)
-        reply(m.Logits(request_id=rid, logits=logits.logits, main_hidden=logits.main_hidden,
-                       cached_tokens=cached, encoder_layer_tokens=c.encoder_layer_tokens,
-                       replayed_layer_tokens=c.replayed_layer_tokens + logits.replayed_layer_tokens,
-                       decoder_layer_tokens=logits.decoder_layer_tokens,
-                       engram_wait_s=self.mailbox.waited_s - waited), self._last_frames)
+        reply(msgspec.structs.replace(
+            answer, cached_tokens=cached, encoder_layer_tokens=c.encoder_layer_tokens,
+            replayed_layer_tokens=c.replayed_layer_tokens + answer.replayed_layer_tokens,
+            engram_wait_s=self.mailbox.waited_s - waited), out)
 
     def _check_prompt(self, rid: int, ids: list[int], capacity: int) -> None:
         limit = min(capacity or self.limit, self.limit)
@@ -134,7 +141,7 @@ class EncoderComponent(Component):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"a prompt of {len(ids)} tokens does not fit: it needs "
                                  f"1..{limit} tokens (the context limit)")
 
-    def _prefill_ced(self, rid, seq: Sequence, ids: list[int], exact: bool, cached: int, rows_for) -> m.Logits:
+    def _prefill_ced(self, rid, seq: Sequence, ids: list[int], exact: bool, cached: int, rows_for):
         x, pre_mix, starts = self.core.encode_prompt(seq, torch.tensor([ids]), exact, cached, rows_for)
         group, n = seq.cache.groups[self.decoder_group], len(ids)
         out = m.Frames()
@@ -142,34 +149,24 @@ class EncoderComponent(Component):
             request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
             main_kv=out.add(group.main_kv.data[0, :n]), index_k=out.add(group.index_k.data[0, :n]),
             streams=out.add(x), pre_mix=out.add(pre_mix))
-        return self._decoder_call(request, out)
+        return _relay(*self.decoder.call(request, out))
 
-    def _prefill_full(self, rid, seq: Sequence, ids: list[int], rows_for) -> m.Logits:
+    def _prefill_full(self, rid, seq: Sequence, ids: list[int], rows_for):
         """Every chunk through the encoder, then through the decoder (which computes its own KV)."""
         for start in range(0, len(ids), self.core.chunk_size):
             chunk = ids[start : start + self.core.chunk_size]
             fetch = functools.partial(rows_for, start, start + len(chunk)) if rows_for else None
-            logits = self._forward(rid, seq, chunk, fetch, first=start == 0)
-        return logits
+            answer = self._forward(rid, seq, chunk, fetch, first=start == 0)
+        return answer
 
-    def _forward(self, rid: int, seq: Sequence, tokens: list[int], fetch_rows, first: bool = False) -> m.Logits:
+    def _forward(self, rid: int, seq: Sequence, tokens: list[int], fetch_rows, first: bool = False):
+        """The encoder half of a step, then the decoder's; its reply relayed."""
         start = seq.cache.length
         x, pre_mix = self.core.encode_tokens(seq, tokens, fetch_rows)
         out = m.Frames()
         request = m.DecoderStep(request_id=rid, start=start, streams=out.add(x), pre_mix=out.add(pre_mix),
                                 capacity=seq.cache.capacity if first else 0)
-        return self._decoder_call(request, out)
-
-    def _decoder_call(self, request: m.Message, out: m.Frames) -> m.Logits:
-        """Call the decoder; keeps its reply's frames to forward them unchanged."""
-        answer, frames = self.decoder.call(request, out)
-        logits = m.tensor(answer.logits, frames)
-        hidden = m.tensor(answer.main_hidden, frames) if answer.main_hidden is not None else None
-        self._last_frames = m.Frames()
-        return m.Logits(request_id=answer.request_id, logits=self._last_frames.add(logits),
-                        main_hidden=self._last_frames.add(hidden) if hidden is not None else None,
-                        replayed_layer_tokens=answer.replayed_layer_tokens,
-                        decoder_layer_tokens=answer.decoder_layer_tokens)
+        return _relay(*self.decoder.call(request, out))
 
     # --- the persistent prefix cache ---------------------------------------------------------------
     def _load_prefix(self, ids: list[int]) -> tuple[list[bytes], list[bytes]]:
@@ -208,9 +205,9 @@ class EncoderComponent(Component):
     @torch.inference_mode()
     def _step(self, message: m.Step, reply: Reply) -> None:
         seq, tokens, fetch = self._step_input(message)
-        answer = self._forward(message.request_id, seq, tokens, fetch)
+        answer, out = self._forward(message.request_id, seq, tokens, fetch)
         self.counters.update(step_tokens=len(tokens), encoder_layer_tokens=len(tokens) * len(self.core.encoder))
-        reply(answer, self._last_frames)
+        reply(answer, out)
 
     def _step_input(self, item: m.Step | m.StepItem) -> tuple[Sequence, list[int], functools.partial | None]:
         """The sequence, the new tokens and the prefetched-rows source of one request's step."""
@@ -247,16 +244,10 @@ class EncoderComponent(Component):
         self.counters.update(batches=1, step_tokens=sum(sizes),
                              encoder_layer_tokens=sum(sizes) * len(self.core.encoder))
         out = m.Frames()
-        answer, frames = self.decoder.call(m.DecoderBatchStep(
+        answer, relayed = _relay(*self.decoder.call(m.DecoderBatchStep(
             request_id=message.request_id, request_ids=rids, starts=starts, sizes=sizes, streams=out.add(x),
-            pre_mix=out.add(pre_mix)), out)
-        relayed = m.Frames()
-        tensors = [m.tensor(answer.logits, frames)]
-        if answer.main_hidden is not None:
-            tensors.append(m.tensor(answer.main_hidden, frames))
-        descriptors = [relayed.add(t) for t in tensors]
-        reply(msgspec.structs.replace(answer, logits=descriptors[0], main_hidden=(descriptors[1:] or [None])[0],
-                                      errors=errors + list(answer.errors)), relayed)
+            pre_mix=out.add(pre_mix)), out))
+        reply(msgspec.structs.replace(answer, errors=errors + list(answer.errors)), relayed)
 
     def _rows(self, request_id: int, start: int, end: int) -> dict[int, torch.Tensor] | None:
         """Prefetched Engram rows, or None (look them up here) when they do not come in time:
