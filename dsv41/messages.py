@@ -300,6 +300,7 @@ class LookupResult(Message):
     keys: Keys
     cached_blocks: Count
     block_tokens: Count
+    snapshot: Tensor | None = None  # pooled encoder SWA rings at the end of the cached blocks
 
 
 class GetBlocks(Message):
@@ -317,7 +318,9 @@ class Blocks(Message):
 class PutBlocks(Message):
     request_id: RequestId
     keys: Keys
-    payloads: Annotated[list[Tensor], msgspec.Meta(max_length=MAX_FRAMES - 2)]
+    payloads: Annotated[list[Tensor], msgspec.Meta(max_length=MAX_FRAMES - 3)]
+    snapshot_key: Annotated[bytes, msgspec.Meta(max_length=32)] = b""  # chain key of the snapshot's position
+    snapshot: Tensor | None = None  # encoder SWA rings there, for the host pool
 
 
 class Stored(Message):

@@ -184,8 +184,15 @@ def test_a_second_request_reuses_the_first_ones_stored_global_kv(micro, rng, tmp
             assert second.cached_tokens == 20 and second.stored_blocks == 2
             # the loaded blocks are byte-identical to what the first request computed
             assert store.get_copy(policy.keys(turn2)[4]) == store.get_copy(policy.keys(turn1)[4])
-            assert second.sequence.counters.encoder_layer_tokens == (8 + 11) * 4  # W replayed + 11 new
-            assert torch.isfinite(second.logits).all()
+            # the first request pooled the encoder rings at position 20: no replay, and exact
+            assert second.sequence.counters.encoder_layer_tokens == 11 * 4
+            assert torch.equal(second.logits, cached.core.prefill(turn2, "ced", packed=True)[1])
+            # a suffix shorter than W needs encoder outputs of the prefix: encoder replay instead
+            third = cached.prefill(turn2 + _prompt(rng, 2))
+            assert third.cached_tokens == 28 and third.sequence.counters.encoder_layer_tokens == (8 + 5) * 4
+            restarted = CachedPrefill(cached.core, PrefixCachePolicy(store, SWAPool(2**20), policy.fingerprint, 4))
+            fourth = restarted.prefill(turn1 + _prompt(rng, 12))  # an empty pool (a restart, a TTL): replay
+            assert fourth.cached_tokens == 20 and fourth.sequence.counters.encoder_layer_tokens == (8 + 14) * 4
         other = PrefixCachePolicy(store, SWAPool(2**20), policy.fingerprint, block_size=8)
         with pytest.raises(ValueError, match="block layout does not match"):
             CachedPrefill(InferenceCore(micro), other)

@@ -36,8 +36,9 @@ def prompts() -> list[list[int]]:
             torch.randint(3, 300, (5,), generator=gen).tolist()]
 
 
-def in_process(prompts: list[list[int]], root) -> list[tuple[list[int], int, int, int]]:
-    """Greedy tokens and (cached, encoder, replayed) counts of the in-process core with its own store."""
+def in_process(prompts: list[list[int]], root, restart_before: int | None = None):
+    """Greedy tokens and (cached, encoder, replayed) counts of the in-process core with its own
+    store; before prompt `restart_before` the host SWA pool starts empty, as after a restart."""
     model = random_model("micro", seed=3)
     core = InferenceCore(model, chunk_size=512)
     layout = BlockLayout.of(model.config, 16)
@@ -45,7 +46,9 @@ def in_process(prompts: list[list[int]], root) -> list[tuple[list[int], int, int
     results = []
     with GlobalKVStore(root / "reference-kv", layout) as store:
         cached = CachedPrefill(core, PrefixCachePolicy(store, SWAPool(2**26), fingerprint, 16))
-        for ids in prompts:
+        for i, ids in enumerate(prompts):
+            if i == restart_before:
+                cached = CachedPrefill(core, PrefixCachePolicy(store, SWAPool(2**26), fingerprint, 16))
             result = cached.prefill(ids, capacity=len(ids) + NEW_TOKENS)
             seq, logits, tokens = result.sequence, result.logits, []
             counts = (result.cached_tokens, seq.counters.encoder_layer_tokens, seq.counters.replayed_layer_tokens)
@@ -76,7 +79,7 @@ def expected(prompts):
     """The in-process run, ending with the first prompt again: a hit, as after the pipeline's restart."""
     path = short_dir()
     try:
-        results = in_process([*prompts, prompts[0]], path)
+        results = in_process([*prompts, prompts[0]], path, restart_before=3)
     finally:
         shutil.rmtree(path, ignore_errors=True)
     assert results[1][1] == 32 and results[3][1] == 32  # two 16-token blocks come from the store
@@ -87,9 +90,10 @@ def test_local_and_inproc_pipelines_equal_the_in_process_core(prompts, expected,
     local = pipeline_for("process", root)
     with Supervisor(local, root / "run") as supervisor:
         assert through_pipeline(supervisor, prompts) == expected[:3]
-    first, second = expected[0], expected[1]
+    first, second, after_restart = expected[0], expected[1], expected[3]
     assert second[2] < first[2]  # fewer encoder layer-tokens on the hit ...
-    assert second[3] > first[3]  # ... and the encoder replay of the cached prefix's last W tokens
+    assert second[3] == first[3]  # ... and no encoder replay: the first request pooled the rings
+    assert after_restart[3] > first[3]  # the pool does not survive a restart: the encoder replays
     threads = pipeline_for("thread", root / "threads")
     with Supervisor(threads, root / "run-threads") as supervisor:
         assert through_pipeline(supervisor, prompts) == expected[:3]

@@ -22,6 +22,7 @@ from dsv41.components.runtime import Component, ComponentError, Reply, new_reque
 from dsv41.components.sequences import Sequences
 from dsv41.config import Part
 from dsv41.engine.core import InferenceCore, Sequence
+from dsv41.engine.prefix_cache import snapshot_position
 from dsv41.model.cache import export_blocks
 from dsv41.storage.blockfmt import BlockLayout
 
@@ -117,7 +118,7 @@ class EncoderComponent(Component):
     def _prefill(self, message: m.Prefill, reply: Reply) -> None:
         rid, ids = message.request_id, m.unpack_ids(message.ids)
         self._check_prompt(rid, ids, message.capacity)
-        keys, blocks = self._load_prefix(ids) if message.mode == "ced" else ([], [])
+        keys, blocks, snapshot = self._load_prefix(ids) if message.mode == "ced" else ([], [], None)
         seq, cached = self.core.new_sequence(ids, message.capacity or None, True, blocks, self.layout, self.layers)
         self.sequences.add(rid, seq)
         waited = self.mailbox.waited_s
@@ -125,7 +126,9 @@ class EncoderComponent(Component):
         if message.mode == "full":
             answer, out = self._prefill_full(rid, seq, ids, rows_for)
         else:
-            answer, out = self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for)
+            snapshot_at = snapshot_position(len(ids), self.layout.block_tokens, cached) if keys else None
+            answer, out = self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for, snapshot,
+                                            snapshot_at)
             self._store_blocks(seq, keys, len(blocks))
         c = seq.counters
         self.counters.update(prefills=1, prompt_tokens=len(ids), cached_tokens=cached,
@@ -141,8 +144,10 @@ class EncoderComponent(Component):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"a prompt of {len(ids)} tokens does not fit: it needs "
                                  f"1..{limit} tokens (the context limit)")
 
-    def _prefill_ced(self, rid, seq: Sequence, ids: list[int], exact: bool, cached: int, rows_for):
-        x, pre_mix, starts = self.core.encode_prompt(seq, torch.tensor([ids]), exact, cached, rows_for)
+    def _prefill_ced(self, rid, seq: Sequence, ids: list[int], exact: bool, cached: int, rows_for, snapshot,
+                     snapshot_at):
+        x, pre_mix, starts = self.core.encode_prompt(seq, torch.tensor([ids]), exact, cached, rows_for, snapshot,
+                                                     snapshot_at)
         group, n = seq.cache.groups[self.decoder_group], len(ids)
         out = m.Frames()
         request = m.DecoderPrefill(
@@ -169,32 +174,42 @@ class EncoderComponent(Component):
         return _relay(*self.decoder.call(request, out))
 
     # --- the persistent prefix cache ---------------------------------------------------------------
-    def _load_prefix(self, ids: list[int]) -> tuple[list[bytes], list[bytes]]:
-        """The prompt's block keys and the payloads of its longest stored chain, leaving at least
-        one token to run; a kvstore that fails or is gone gives no keys (nothing stored either)."""
+    def _load_prefix(self, ids: list[int]) -> tuple[list[bytes], list[bytes], bytes | None]:
+        """The prompt's block keys, the payloads of its longest stored chain (leaving at least one
+        token to run) and the pooled encoder rings at its end; a kvstore that fails or is gone
+        gives nothing (and nothing is stored either)."""
         try:
-            hit, _ = self.kvstore.call(m.Lookup(request_id=new_request_id(), ids=m.pack_ids(ids)),
-                                       timeout_s=LOOKUP_TIMEOUT_S)
+            hit, frames = self.kvstore.call(m.Lookup(request_id=new_request_id(), ids=m.pack_ids(ids)),
+                                            timeout_s=LOOKUP_TIMEOUT_S)
             usable = min(hit.cached_blocks, (len(ids) - 1) // self.layout.block_tokens)
+            snapshot = bytes(frames[hit.snapshot.frame]) if hit.snapshot is not None and usable == hit.cached_blocks \
+                else None
             if not usable:
-                return hit.keys, []
+                return hit.keys, [], None
             answer, frames = self.kvstore.call(m.GetBlocks(request_id=new_request_id(), keys=hit.keys[:usable]))
         except ComponentError:
             self.counters["store_unavailable"] += 1
-            return [], []
-        self.counters["hit_blocks"] += len(answer.payloads)
-        return hit.keys, [bytes(frames[p.frame]) for p in answer.payloads]
+            return [], [], None
+        blocks = [bytes(frames[p.frame]) for p in answer.payloads]
+        self.counters.update(hit_blocks=len(blocks), snapshot_hits=snapshot is not None)
+        return hit.keys, blocks, snapshot if len(blocks) == usable else None
 
     def _store_blocks(self, seq: Sequence, keys: list[bytes], loaded: int) -> None:
-        """Write the prompt's new complete blocks; a full or absent store only costs reuse."""
+        """Write the prompt's new complete blocks and the encoder rings at its last block boundary;
+        a full or absent store only costs reuse."""
         if len(keys) <= loaded:
             return
         payloads = export_blocks(seq.cache, self.layout, loaded, len(keys) - loaded)
         out = m.Frames()
         descriptors = [out.add(torch.frombuffer(bytearray(p), dtype=torch.uint8)) for p in payloads]
+        snapshot_key, snapshot = b"", None
+        for position, rings in seq.snapshots.items():
+            snapshot_key = keys[position // self.layout.block_tokens - 1]
+            snapshot = out.add(torch.frombuffer(bytearray(rings), dtype=torch.uint8))
         try:
             stored, _ = self.kvstore.call(m.PutBlocks(request_id=new_request_id(), keys=keys[loaded:],
-                                                      payloads=descriptors), out)
+                                                      payloads=descriptors, snapshot_key=snapshot_key,
+                                                      snapshot=snapshot), out)
         except ComponentError:
             self.counters["store_unavailable"] += 1
             return

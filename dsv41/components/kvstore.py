@@ -50,9 +50,12 @@ class KVStoreComponent(Component):
         match message:
             case m.Lookup():
                 hit = self.policy.lookup(m.unpack_ids(message.ids))
-                self.counters["hit_blocks"] += hit.cached_blocks
+                self.counters.update(hit_blocks=hit.cached_blocks, snapshot_hits=hit.swa_snapshot is not None)
+                out = m.Frames()
+                snapshot = None if hit.swa_snapshot is None else out.add(
+                    torch.frombuffer(bytearray(hit.swa_snapshot), dtype=torch.uint8))
                 reply(m.LookupResult(request_id=rid, keys=hit.keys, cached_blocks=hit.cached_blocks,
-                                     block_tokens=self.policy.block_size))
+                                     block_tokens=self.policy.block_size, snapshot=snapshot), out)
             case m.GetBlocks():
                 out = m.Frames()
                 payloads = []
@@ -70,6 +73,9 @@ class KVStoreComponent(Component):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(message.keys)} keys for "
                                  f"{len(message.payloads)} payloads")
         values = {key: bytes(frames[p.frame]) for key, p in zip(message.keys, message.payloads, strict=True)}
+        if message.snapshot is not None and len(message.snapshot_key) == 32:
+            self.policy.pool.put(message.snapshot_key, bytes(frames[message.snapshot.frame]))
+            self.counters["snapshots_pooled"] += 1
         try:
             stored = self.store.put_many(values)
         except ValueError as e:  # a payload that does not fit the block layout

@@ -19,7 +19,14 @@ import torch
 from dsv41.config import Part
 from dsv41.model import mhc
 from dsv41.model.attention import SharedAttention, SharedBatch
-from dsv41.model.cache import DecodeCache, checkpoint, import_blocks, restore
+from dsv41.model.cache import (
+    DecodeCache,
+    checkpoint,
+    encoder_rings,
+    import_blocks,
+    restore,
+    restore_encoder_rings,
+)
 from dsv41.model.rope import table_for
 from dsv41.model.transformer import Transformer
 from dsv41.storage.blockfmt import BlockLayout
@@ -40,6 +47,7 @@ class Counters:
 class Sequence:
     cache: DecodeCache
     counters: Counters = field(default_factory=Counters)
+    snapshots: dict[int, bytes] = field(default_factory=dict)  # encoder SWA rings by position, to pool
 
 
 class PrefetchedRows(Mapping):
@@ -96,6 +104,7 @@ class InferenceCore:
         self.model, self.chunk_size = model, chunk_size
         plan = model.plan
         self.encoder = [layer for layer in model.layers if layer.spec.part is Part.ENCODER]
+        self.encoder_ids = [layer.spec.layer_id for layer in self.encoder]
         self.decoder = [layer for layer in model.layers if layer.spec.part is Part.DECODER]
         self.window = model.config.text_config.sliding_window
         assert self.decoder[0].spec.layer_id == plan.decoder_start
@@ -114,11 +123,15 @@ class InferenceCore:
 
     @torch.inference_mode()
     def prefill_from_prefix(self, ids: list[int], blocks: list[bytes], layout: BlockLayout,
-                            capacity: int | None = None) -> tuple[Sequence, torch.Tensor]:
+                            capacity: int | None = None, snapshot: bytes | None = None,
+                            snapshot_at: int | None = None) -> tuple[Sequence, torch.Tensor]:
         """`ced` prefill of ids whose first len(blocks) blocks have stored global KV: the blocks
-        are loaded into a packed cache and never rewritten; encoder replay rebuilds SWA state."""
+        are loaded into a packed cache and never rewritten. The encoder's SWA state at the prefix
+        end comes from `snapshot` when the decoder replay needs no encoder output of the prefix,
+        else from encoder replay. `snapshot_at`: also keep the encoder rings at that position."""
         seq, cached = self.new_sequence(ids, capacity, True, blocks, layout)
-        return seq, self._prefill_ced(seq, torch.tensor([ids]), exact=False, cached=cached)
+        x, pre_mix, starts = self.encode_prompt(seq, torch.tensor([ids]), False, cached, None, snapshot, snapshot_at)
+        return seq, self.decoder_replay(seq, x, pre_mix, starts, len(ids))
 
     def new_sequence(self, ids: list[int], capacity: int | None = None, packed: bool = False,
                      blocks: list[bytes] = (), layout: BlockLayout | None = None,
@@ -142,12 +155,18 @@ class InferenceCore:
             seq.cache.ids[:, :cached] = torch.tensor(ids[:cached])
         return seq, cached
 
-    def _chunks(self, n: int):
-        for start in range(0, n, self.chunk_size):
-            yield start, min(n, start + self.chunk_size)
+    def _chunks(self, first: int, n: int, cut: int | None = None):
+        """Chunks of positions first..n-1, one of them ending at `cut` (a snapshot position)."""
+        start = first
+        while start < n:
+            end = min(n, start + self.chunk_size)
+            if cut is not None and start < cut < end:
+                end = cut
+            yield start, end
+            start = end
 
     def _prefill_full(self, seq: Sequence, tokens: torch.Tensor) -> torch.Tensor:
-        for start, end in self._chunks(tokens.size(1)):
+        for start, end in self._chunks(0, tokens.size(1)):
             logits = self.step(seq, tokens[0, start:end].tolist())
         return logits[-1]
 
@@ -155,22 +174,30 @@ class InferenceCore:
         x, pre_mix, starts = self.encode_prompt(seq, tokens, exact, cached)
         return self.decoder_replay(seq, x, pre_mix, starts, tokens.size(1))
 
-    def encode_prompt(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0, rows_for=None):
+    def encode_prompt(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0, rows_for=None,
+                      snapshot: bytes | None = None, snapshot_at: int | None = None):
         """The encoder half of a `ced`/`exact` prefill: the encoder over tokens from `cached` on,
         CED-projecting the decoder's global KV. With a cached prefix (global KV loaded, no SWA
         state), its last W tokens are first replayed through the encoder to rebuild the encoder's
         SWA rings; their encoder outputs also feed the decoder replay when the new suffix is
         shorter than W. Returns the encoder output streams from the first decoder start on and
-        every decoder layer's start. `rows_for(start, end)` supplies prefetched Engram rows."""
+        every decoder layer's start. `rows_for(start, end)` supplies prefetched Engram rows (None:
+        look them up here). A pooled `snapshot` of the encoder rings at `cached` replaces the encoder
+        replay when the decoder replay starts inside the new tokens (the result is then exact); the
+        rings at `snapshot_at` are kept in `seq.snapshots`."""
         n = tokens.size(1)
         starts = self._decoder_starts(n, exact)
         kept = []
-        if cached:
+        if cached and snapshot is not None and starts[0] >= cached:
+            restore_encoder_rings(seq.cache, self.encoder_ids, snapshot)
+        elif cached:
             replay_from = max(0, cached - self.window)
             kept.append(self._encode(seq, tokens, replay_from, cached, starts[0], True, rows_for))
             seq.counters.replayed_layer_tokens += (cached - replay_from) * len(self.encoder)
-        for start, end in self._chunks(n - cached):
-            kept.append(self._encode(seq, tokens, cached + start, cached + end, starts[0], False, rows_for))
+        for start, end in self._chunks(cached, n, snapshot_at):
+            kept.append(self._encode(seq, tokens, start, end, starts[0], False, rows_for))
+            if end == snapshot_at:
+                seq.snapshots[end] = encoder_rings(seq.cache, self.encoder_ids)
         x = torch.cat([k[0] for k in kept if k is not None], dim=1)
         pre_mix = torch.cat([k[1] for k in kept if k is not None], dim=1)
         seq.cache.length = n

@@ -1,10 +1,11 @@
 """Prefill through the persistent prefix cache: look up, load stored global KV, replay, store.
 
 A request's longest stored chain of complete blocks is loaded into a packed cache and the prefill
-continues from there (`InferenceCore.prefill_from_prefix`: encoder replay of the prefix's last W
-tokens, then the suffix); afterwards the new complete blocks' global KV is written to the store.
-A store that is full or fails is a miss, never a failed request. SWA snapshots from the host pool
-are not used yet: every hit replays.
+continues from there (`InferenceCore.prefill_from_prefix`); afterwards the new complete blocks'
+global KV is written to the store and the encoder rings at the prompt's last block boundary to
+the host SWA pool. A hit whose snapshot is pooled restores the rings instead of replaying the
+prefix's last W tokens (exact when the decoder replay lies in the new tokens); otherwise encoder
+replay rebuilds them. A store that is full or fails is a miss, never a failed request.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ class CachedPrefillResult:
     stored_blocks: int  # new blocks written to the store
 
 
+def snapshot_position(n: int, block_tokens: int, cached: int) -> int | None:
+    """Where a prefill keeps the encoder rings for the pool: the last block boundary of the
+    prompt, when it lies in the tokens this prefill runs (a later request can only hit there)."""
+    position = n // block_tokens * block_tokens
+    return position if cached < position else None
+
+
 class CachedPrefill:
     def __init__(self, core: InferenceCore, policy: PrefixCachePolicy):
         self.core, self.policy = core, policy
@@ -39,14 +47,14 @@ class CachedPrefill:
         blocks = self._load(hit.keys[: hit.cached_blocks])
         while blocks and len(blocks) * self.layout.block_tokens >= len(ids):
             blocks.pop()  # keep at least one token to run, for the last logits
-        if blocks:
-            seq, logits = self.core.prefill_from_prefix(ids, blocks, self.layout, capacity)
-        else:
-            seq, logits = self.core.prefill(ids, "ced", capacity=capacity, packed=True)
+        snapshot = hit.swa_snapshot if len(blocks) == hit.cached_blocks else None  # rings of that position only
+        cached = len(blocks) * self.layout.block_tokens
+        snapshot_at = snapshot_position(len(ids), self.layout.block_tokens, cached)
+        seq, logits = self.core.prefill_from_prefix(ids, blocks, self.layout, capacity, snapshot, snapshot_at)
         plan = self.policy.plan_writes(hit, len(ids), [], ids)
         new = {i: export_blocks(seq.cache, self.layout, i, 1)[0] for i, _ in plan.new_blocks}
-        stored = len(new) if self.policy.write(plan, new, {}) else 0
-        return CachedPrefillResult(seq, logits, len(blocks) * self.layout.block_tokens, stored)
+        stored = len(new) if self.policy.write(plan, new, seq.snapshots) else 0
+        return CachedPrefillResult(seq, logits, cached, stored)
 
     def _load(self, keys: list[bytes]) -> list[bytes]:
         """Payloads of the chain, stopping at the first block that is gone or damaged."""

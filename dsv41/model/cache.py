@@ -178,3 +178,21 @@ def import_blocks(cache: DecodeCache, payloads: list[bytes], layout) -> None:
             rows = slice(b * n, (b + 1) * n)
             group.main_kv.data[0, rows] = torch.frombuffer(bytearray(main), dtype=torch.uint8).view(n, -1)
             group.index_k.data[0, rows] = torch.frombuffer(bytearray(index), dtype=torch.uint8).view(n, -1)
+
+
+def encoder_rings(cache: DecodeCache, layers: list[int]) -> bytes:
+    """The SWA rings of `layers` as one snapshot (what the host pool keeps at a block boundary)."""
+    return b"".join(cache.windows[layer].data.contiguous().view(torch.uint8).numpy().tobytes() for layer in layers)
+
+
+def restore_encoder_rings(cache: DecodeCache, layers: list[int], snapshot: bytes) -> None:
+    """Put a snapshot from `encoder_rings` back; a snapshot of another size is refused."""
+    rings = [cache.windows[layer].data for layer in layers]
+    sizes = [ring.numel() * ring.element_size() for ring in rings]
+    if len(snapshot) != sum(sizes):
+        raise ValueError(f"an SWA snapshot of {len(snapshot)} bytes does not fit rings of {sum(sizes)} bytes")
+    offset = 0
+    for ring, size in zip(rings, sizes, strict=True):
+        raw = torch.frombuffer(bytearray(snapshot[offset : offset + size]), dtype=torch.uint8)
+        ring.copy_(raw.view(ring.dtype).view(ring.shape))
+        offset += size
