@@ -121,7 +121,9 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s")
     rows = []
+    limit = model.config.text_config.max_position_embeddings
     for context in args.contexts:
+        context = min(context, limit - args.steps - 1)  # room for the timed steps inside the context limit
         cache = synthetic_cache(model, context, args.steps)
         times = time_layers(model, cache, args.steps)
         kv = kv_bytes_per_step(model, context)

@@ -55,6 +55,8 @@ class EngramMailbox:
                     raise ComponentError(m.ErrorCode.UNAVAILABLE, "engram", f"rows for positions {start}..{end - 1} "
                                          f"did not arrive within {self.timeout_s:.0f} s")
         first, rows, arrived = found
+        with self._changed:  # positions only move forward: rows that end before `start` are spent
+            self._rows[request_id] = [r for r in self._rows.get(request_id, []) if r[0] + r[1].size(1) > start]
         self.waited_s += max(0.0, time.monotonic() - need)
         self.leads_s.append(need - arrived)
         part = rows[:, start - first : end - first]
