@@ -372,3 +372,31 @@ def test_encoder_steps_a_batch_and_reports_the_requests_it_cannot_step(running, 
     frames = [memoryview(f) for f in frames]
     assert (sent.request_ids, sent.starts, sent.sizes) == ([51, 52], [9, 30], [1, 2])
     assert torch.equal(m.tensor(sent.streams, frames), x) and torch.equal(m.tensor(sent.pre_mix, frames), pre_mix)
+
+
+def test_dspark_streams_text_whole_characters(running):
+    """Token ids here are byte values: a character split over tokens is shown once complete."""
+    r = running("dspark", engram={"prefetch": False})
+    r.stand_in("tokenizer", lambda message, frames: (
+        (m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None)
+        if isinstance(message, m.Tokenize) else
+        (m.Detokenized(request_id=message.request_id,
+                       text=bytes(m.unpack_ids(message.ids)).decode(errors="replace")), None)))
+    planned = list("é✓ok".encode())  # 2 + 3 + 2 bytes
+
+    def encoder(message, frames):
+        if isinstance(message, m.Release):
+            return m.Ack(request_id=message.request_id), None
+        out = m.Frames()
+        logits = torch.zeros(1, 320)
+        logits[0, planned.pop(0)] = 1.0
+        if isinstance(message, m.Prefill):
+            return m.Logits(request_id=message.request_id, logits=out.add(logits)), out
+        item = message.items[0]
+        return m.BatchLogits(request_id=message.request_id, request_ids=[item.request_id], sizes=[1],
+                             logits=out.add(logits)), out
+
+    r.stand_in("encoder", encoder)
+    peer = r.start()
+    events = list(peer.stream(m.Generate(request_id=3, prompt="x", max_new_tokens=7, stop_at_eos=False)))
+    assert [e.text for e in events[:-1]] == ["", "é", "", "", "✓", "o", "k"]

@@ -33,7 +33,7 @@ class Request:
     tail: list[int]  # the last Engram look-back ids before the next token
     prefill: m.Logits | None = None
     generated: list[int] = field(default_factory=list)
-    text: str = ""
+    shown: int = 0  # generated tokens already sent as text
     ttft_s: float = 0.0
     engram_wait_s: float = 0.0
 
@@ -144,11 +144,14 @@ class DSparkComponent(Component):
             self.active.append(request)
 
     def _new_text(self, request: Request) -> str:
-        """Text the new token completes (bytes of a partial UTF-8 character wait for the rest)."""
-        answer, _ = self.tokenizer.call(m.Detokenize(request_id=new_request_id(), ids=m.pack_ids(request.generated)))
-        text = answer.text.rstrip("\ufffd")
-        new, request.text = text[len(request.text):], text
-        return new
+        """Text of the tokens not yet shown. Only those are detokenized (a token boundary is a byte
+        boundary); the bytes of a partial UTF-8 character wait for the rest, up to 4 tokens."""
+        pending = request.generated[request.shown:]
+        answer, _ = self.tokenizer.call(m.Detokenize(request_id=new_request_id(), ids=m.pack_ids(pending)))
+        if answer.text.endswith("\ufffd") and len(pending) < 4:
+            return ""
+        request.shown = len(request.generated)
+        return answer.text
 
     def _finish(self, request: Request, reason: m.FinishReason) -> None:
         prefill = request.prefill
