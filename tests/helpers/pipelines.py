@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import torch
 import zmq
 
 from dsv41 import messages as m
@@ -24,7 +25,11 @@ def short_dir() -> Path:
 
 def pipeline_for(placement: str, root: Path, config: str = "micro", block_tokens: int = 16, **options) -> Pipeline:
     base = load_pipeline("inproc" if placement == "thread" else "local")
-    components = {name: msgspec.structs.replace(spec, options=options.get(name, {}))
+    # model processes compute with this process's thread count, so their numbers can be compared
+    # bit for bit with the in-process core (a GEMM splits its sums by thread count)
+    same_threads = {"threads": torch.get_num_threads()}
+    components = {name: msgspec.structs.replace(spec, options={**(same_threads if name in ("encoder", "decoder")
+                                                                   else {}), **options.get(name, {})})
                   for name, spec in base.components.items()}
     return with_overrides(base, model={"config": config, "seed": 3},
                           store={"path": str(root / "kv"), "block_tokens": block_tokens},
