@@ -236,6 +236,11 @@ def test_decoder_steps_a_batch_like_the_in_process_batch(running, model, rng):
     batch = m.DecoderBatchStep(request_id=40, request_ids=[31, 99, 32], starts=[starts[0], 0, starts[1]],
                                sizes=[1, 1, 2], streams=out.add(torch.cat([x[:, :1], x[:, :1], x[:, 1:]], dim=1)),
                                pre_mix=out.add(torch.cat([pre_mix[:, :1], pre_mix[:, :1], pre_mix[:, 1:]], dim=1)))
+    lying = m.Frames()
+    with pytest.raises(ComponentError) as e:  # sizes that do not match the streams
+        peer.call(m.DecoderBatchStep(request_id=41, request_ids=[31, 32], starts=starts, sizes=[1, 5],
+                                     streams=lying.add(x), pre_mix=lying.add(pre_mix)), lying)
+    assert e.value.code == m.ErrorCode.BAD_TENSOR
     answer, frames = peer.call(batch, out)
     expected, hidden = core.decode_streams_batch(list(seqs.values()), x, pre_mix, starts, [1, 2])
     assert (answer.request_ids, answer.sizes) == ([31, 32], [1, 2])
@@ -362,11 +367,11 @@ def test_encoder_steps_a_batch_and_reports_the_requests_it_cannot_step(running, 
         core, seq, *_ = _encoded_prompt(model, ids)
         seqs.append(seq)
     items = [m.StepItem(request_id=51, ids=m.pack_ids([4])), m.StepItem(request_id=77, ids=m.pack_ids([4])),
-             m.StepItem(request_id=52, ids=m.pack_ids([5, 6]))]
+             m.StepItem(request_id=52, ids=m.pack_ids([5, 6])), m.StepItem(request_id=51, ids=m.pack_ids([9]))]
     answer, _ = peer.call(m.BatchStep(request_id=60, items=items))
     assert (answer.request_ids, answer.sizes) == ([51, 52], [1, 2])
-    assert [(e.request_id, e.code, e.component) for e in answer.errors] == [(77, m.ErrorCode.UNKNOWN_REQUEST,
-                                                                              "encoder")]
+    assert [(e.request_id, e.code, e.component) for e in answer.errors] == [
+        (77, m.ErrorCode.UNKNOWN_REQUEST, "encoder"), (51, m.ErrorCode.INVALID_REQUEST, "encoder")]
     sent, frames = decoder.received[-1]
     x, pre_mix = core.encode_tokens_batch(seqs, [[4], [5, 6]])
     frames = [memoryview(f) for f in frames]
