@@ -4,7 +4,7 @@ For each prompt length N: one `full` prefill (every token through all 40 layers)
 prefill (all tokens through the 20 encoder layers, decoder KV projected, the last W = 128 tokens
 replayed through the 20 decoder layers). The counted work ratio must equal 1/2 + r/(2N) with
 r = min(N, W) exactly. Prints a table, writes benchmarks/results/prefill.json and prefill.png.
-Usage: python benchmarks/prefill.py [--lengths 1024 2048 4096] [--chunk 512]
+Usage: python benchmarks/prefill.py [--lengths 1024 4096 16384 32768] [--chunk 512] [--threads T]
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ def measure(core: InferenceCore, ids: list[int], mode: str) -> tuple[float, int]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads (default: torch's choice for this machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     model = random_model("mini", seed=0)
     core = InferenceCore(model, chunk_size=args.chunk)
     window = model.config.text_config.sliding_window
@@ -51,7 +54,7 @@ def main() -> None:
         print(f"{n:>7} {full_s:>8.1f} {ced_s:>8.1f} {row['time_ratio']:>10.3f} {row['counted_ratio']:>13.4f} "
               f"{expected:>10.4f}", flush=True)
         RESULTS.mkdir(exist_ok=True)  # after every length: the long ones take hours on a CPU
-        (RESULTS / "prefill.json").write_text(json.dumps({"chunk": args.chunk, "rows": rows}, indent=2) + "\n")
+        (RESULTS / "prefill.json").write_text(json.dumps({"chunk": args.chunk, "threads": args.threads, "rows": rows}, indent=2) + "\n")
     try:
         import matplotlib
 

@@ -34,7 +34,7 @@ def sparse_attention(
     for start in range(0, idx.size(-1), ATTENTION_CHUNK):
         chunk = idx[:, :, start : start + ATTENTION_CHUNK].long()
         valid = chunk != -1
-        keys = kvf[batch, chunk.clamp(min=0)] * valid.unsqueeze(-1)
+        keys = kvf[batch, chunk.clamp(min=0)]  # unused slots read row 0: finite, and weighted by p = 0
         logits = torch.where(valid.unsqueeze(2), numerics.einsum("bmhd,bmkd->bmhk", qf, keys), -torch.inf) * scale
         previous = running_max
         running_max = torch.maximum(previous, logits.amax(dim=-1))
