@@ -32,25 +32,22 @@ def kind(spec) -> str:
     return {Mode.SWA: "SWA-only", Mode.REINDEX: "Reindex (pool)", Mode.REUSE: "Reuse"}[spec.mode]
 
 
-def random_entries(store, n: int, gen: torch.Generator) -> None:
-    """Valid packed entries: random codes, scales in a moderate range."""
-    fmt, data = store.fmt, store.data
-    data[:, :n, : fmt.code_bytes] = torch.randint(0, 256, (data.size(0), n, fmt.code_bytes), generator=gen,
-                                                  dtype=torch.uint8)
+def random_entries(fmt, n: int, gen: torch.Generator) -> torch.Tensor:
+    """n valid packed entries [n, bytes]: random codes, scales in a moderate range."""
     low, high = (40, 56) if fmt.e4m3_scale else (120, 128)  # E4M3 ~0.125..1, E8M0 2^-7..1
-    data[:, :n, fmt.code_bytes :] = torch.randint(low, high, (data.size(0), n, fmt.scale_bytes), generator=gen,
-                                                  dtype=torch.uint8)
+    return torch.cat([torch.randint(0, 256, (n, fmt.code_bytes), generator=gen, dtype=torch.uint8),
+                      torch.randint(low, high, (n, fmt.scale_bytes), generator=gen, dtype=torch.uint8)], dim=1)
 
 
 def synthetic_cache(model, context: int, steps: int) -> DecodeCache:
     gen = torch.Generator().manual_seed(context)
     cache = DecodeCache.allocate(model.config, 1, context + steps + 1, packed=True)
     for ring in cache.windows.values():
-        random_entries(ring, ring.data.size(1), gen)
+        ring.data[0] = random_entries(ring.fmt, ring.data.size(1), gen)
     for layer, group in cache.groups.items():
         n = context // model.plan.layers[layer].ratio
-        random_entries(group.main_kv, n, gen)
-        random_entries(group.index_k, n, gen)
+        for store in (group.main_kv, group.index_k):
+            store.put_raw(0, random_entries(store.fmt, n, gen))
     cache.ids[:, :context] = torch.randint(3, 320, (1, context), generator=gen)
     cache.length = context
     return cache

@@ -54,7 +54,8 @@ def main() -> None:
         print(f"{n:>7} {full_s:>8.1f} {ced_s:>8.1f} {row['time_ratio']:>10.3f} {row['counted_ratio']:>13.4f} "
               f"{expected:>10.4f}", flush=True)
         RESULTS.mkdir(exist_ok=True)  # after every length: the long ones take hours on a CPU
-        (RESULTS / "prefill.json").write_text(json.dumps({"chunk": args.chunk, "threads": args.threads, "rows": rows}, indent=2) + "\n")
+        summary = {"chunk": args.chunk, "threads": args.threads, "rows": rows}
+        (RESULTS / "prefill.json").write_text(json.dumps(summary, indent=2) + "\n")
     try:
         import matplotlib
 

@@ -1,8 +1,14 @@
+import msgspec
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from dsv41.config import Mode, ModelConfig, config_from_dict, config_to_dict, load_config
 from dsv41.kernels.torch_ops import select_candidate_blocks, sparse_attention
-from dsv41.model.attention import visible_entries, window_indices
+from dsv41.model.attention import Attention, visible_entries, window_indices
+from dsv41.model.cache import DecodeCache
+from dsv41.model.reference import random_model
+from dsv41.model.trace import Trace
 
 from .conftest import GOLDEN
 
@@ -62,3 +68,31 @@ def test_equal_block_scores_keep_the_newer_block_whatever_the_row_width():
     # blocks 0 and 1 tie at 0.5; block 2 (the newest) is always kept, the tie goes to block 1
     assert narrow[0, 0].nonzero().flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert torch.equal(wide[..., :12], narrow)
+
+
+# Pools of 4 blocks, and of 2 blocks: 8 slots for a top-8, so when the newest block is partial the
+# reference's top-k also takes entries outside the pool and those steps fall back to masking (the
+# config validator refuses such a pool; the model is built past it to test the fallback).
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_decode_ranking_only_the_pool_equals_masking_every_entry(rng, blocks, monkeypatch):
+    """A Reindex decode step on a packed cache scores and ranks only the pool's entry ids; a traced
+    step masks full-width scores the way the reference does. Both pick the same entries."""
+    data = config_to_dict(load_config("micro"))
+    data["text_config"]["candidate_topk_blocks"] = blocks
+    model = random_model(msgspec.convert(data, ModelConfig) if blocks == 2 else config_from_dict(data), seed=3)
+    in_pool = []
+    original = Attention._select_in_pool
+    monkeypatch.setattr(Attention, "_select_in_pool",
+                        lambda *args: in_pool.append(original(*args)) or in_pool[-1])
+    prompt = torch.randint(3, 320, (1, 45), generator=rng)
+    caches = [DecodeCache.allocate(model.config, 1, 80, packed=True) for _ in range(2)]
+    with torch.inference_mode():
+        ids = [prompt, prompt]
+        for _ in range(12):
+            pooled = model(ids[0], cache=caches[0]).logits[:, -1]
+            masked = model(ids[1], cache=caches[1], trace=Trace()).logits[:, -1]
+            assert torch.equal(pooled, masked)
+            ids = [pooled.argmax(-1, keepdim=True)] * 2
+    ranked_in_pool = [picked is not None for picked in in_pool]
+    assert len(ranked_in_pool) == 11 * sum(s.mode is Mode.REINDEX for s in model.plan.backbone)
+    assert all(ranked_in_pool) if blocks == 4 else 0 < sum(ranked_in_pool) < len(ranked_in_pool)

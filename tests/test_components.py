@@ -183,7 +183,8 @@ def test_decoder_matches_the_in_process_decoder_half(running, model, rng):
     group = seq.cache.groups[model.config.plan.decoder_start]
     out = m.Frames()
     prefill = m.DecoderPrefill(request_id=11, length=len(ids), capacity=seq.cache.capacity, starts=starts, kv_from=0,
-                               main_kv=out.add(group.main_kv.data[0, :29]), index_k=out.add(group.index_k.data[0, :29]),
+                               main_kv=out.add(group.main_kv.raw(slice(0, 29))),
+                               index_k=out.add(group.index_k.raw(slice(0, 29))),
                                streams=out.add(x), pre_mix=out.add(pre_mix))
     answer, frames = peer.call(prefill, out)
     expected = core.decoder_replay(seq, x, pre_mix, starts, len(ids))
@@ -203,7 +204,7 @@ def test_decoder_matches_the_in_process_decoder_half(running, model, rng):
         assert e.value.code == code
     out = m.Frames()
     bad_kv = m.DecoderPrefill(request_id=12, length=29, capacity=64, starts=starts, kv_from=0,
-                              main_kv=out.add(torch.zeros(29, 7)), index_k=out.add(group.index_k.data[0, :29]),
+                              main_kv=out.add(torch.zeros(29, 7)), index_k=out.add(group.index_k.raw(slice(0, 29))),
                               streams=out.add(x), pre_mix=out.add(pre_mix))
     with pytest.raises(ComponentError) as e:
         peer.call(bad_kv, out)
@@ -215,7 +216,7 @@ def _prefill_message(rid: int, seq, x, pre_mix, starts, n: int, group: int):
     out = m.Frames()
     kv = seq.cache.groups[group]
     return m.DecoderPrefill(request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
-                            main_kv=out.add(kv.main_kv.data[0, :n]), index_k=out.add(kv.index_k.data[0, :n]),
+                            main_kv=out.add(kv.main_kv.raw(slice(0, n))), index_k=out.add(kv.index_k.raw(slice(0, n))),
                             streams=out.add(x), pre_mix=out.add(pre_mix)), out
 
 
@@ -276,8 +277,8 @@ def test_encoder_hands_the_decoder_the_in_process_encoder_output(running, model,
     group = seq.cache.groups[model.config.plan.decoder_start]
     assert sent.starts == starts and sent.length == 37
     assert torch.equal(m.tensor(sent.streams, frames), x) and torch.equal(m.tensor(sent.pre_mix, frames), pre_mix)
-    assert torch.equal(m.tensor(sent.main_kv, frames), group.main_kv.data[0, :37])
-    assert torch.equal(m.tensor(sent.index_k, frames), group.index_k.data[0, :37])
+    assert torch.equal(m.tensor(sent.main_kv, frames), group.main_kv.raw(slice(0, 37)))
+    assert torch.equal(m.tensor(sent.index_k, frames), group.index_k.raw(slice(0, 37)))
     peer.call(m.Step(request_id=21, ids=m.pack_ids([5]), engram_prefetch=True))
     step, frames = decoder.received[1]
     sx, _ = core.encode_tokens(seq, [5])

@@ -60,6 +60,11 @@ def test_packed_cache_holds_the_plan_bytes():
 
     config = load_config("mini")
     cache = DecodeCache.allocate(config, batch=1, capacity=1024, packed=True)
+    for layer, group in cache.groups.items():  # entries of 1024 positions: whole pages in every group
+        n = 1024 // config.plan.layers[layer].ratio
+        for store in (group.main_kv, group.index_k):
+            store.put_raw(0, torch.randint(0, 256, (n, store.fmt.entry_bytes), dtype=torch.uint8))
     global_bytes = sum(g.main_kv.nbytes + g.index_k.nbytes for g in cache.groups.values())
-    assert global_bytes == 890 * 1024
+    cache.length = 1024
+    assert global_bytes == 890 * 1024 == cache.global_kv_bytes_held()
     assert sum(w.nbytes for w in cache.windows.values()) == 40 * 128 * 528

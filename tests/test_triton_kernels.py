@@ -55,6 +55,18 @@ def test_sparse_attention_decode_with_nothing_visible_gives_zeros(rng):
     assert torch.equal(torch_ops.sparse_attention_decode(q, ring, slots, main, topk, sink, 0.125), got)
 
 
+def test_sparse_attention_decode_reads_one_shared_pool_for_the_whole_batch(rng):
+    """Paged caches: every sequence's entries sit in one pool, passed expanded over the batch
+    (stride 0) with each sequence's pool rows; equal to a per-sequence copy of the pool."""
+    q, ring, slots, main, topk, sink = _packed_case(rng, b=3, n=40)
+    pool = main[:1]
+    shared = triton_kernels.sparse_attention_decode(q, ring, slots, pool.expand(3, -1, -1), topk, sink, 0.125)
+    copied = triton_kernels.sparse_attention_decode(q, ring, slots, pool.repeat(3, 1, 1), topk, sink, 0.125)
+    assert torch.equal(shared, copied)
+    assert _within_bf16_ulp(shared, torch_ops.sparse_attention_decode(q, ring, slots, pool.expand(3, -1, -1), topk,
+                                                                      sink, 0.125))
+
+
 def test_sparse_attention_decode_over_the_official_sizes(rng):
     args = _packed_case(rng, b=1, h=5, d=512, window=128, n=70, k=64)
     got = triton_kernels.sparse_attention_decode(*args, 512**-0.5)

@@ -46,7 +46,8 @@ class DecoderComponent(Component):
                 reply(m.Ack(request_id=message.request_id))
 
     def _allocate(self, rid: int, capacity: int) -> Sequence:
-        seq = Sequence(DecodeCache.allocate(self.core.model.config, 1, capacity, packed=True, layers=self.layers))
+        seq = Sequence(DecodeCache.allocate(self.core.model.config, 1, capacity, packed=True, layers=self.layers,
+                                            pools=self.core.pools))
         self.sequences.add(rid, seq)
         return seq
 
@@ -63,10 +64,10 @@ class DecoderComponent(Component):
         group = seq.cache.groups[self.group]
         for store, descriptor in ((group.main_kv, message.main_kv), (group.index_k, message.index_k)):
             rows = m.tensor(descriptor, frames)
-            if rows.dtype != store.data.dtype or rows.shape[1:] != store.data.shape[2:] or rows.size(0) != n:
+            if rows.dtype != store.pool.dtype or rows.shape != (n, store.pool.width):
                 raise m.MessageError(m.ErrorCode.BAD_TENSOR, f"global KV of {descriptor.dtype} {descriptor.shape}; "
-                                     f"expected uint8 [{n}, {store.data.size(2)}]")
-            store.data[0, :n] = rows
+                                     f"expected uint8 [{n}, {store.pool.width}]")
+            store.put_raw(0, rows)
         x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
         logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n)
         self.counters.update(prefills=1, replayed_layer_tokens=seq.counters.replayed_layer_tokens,

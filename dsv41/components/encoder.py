@@ -154,7 +154,7 @@ class EncoderComponent(Component):
         out = m.Frames()
         request = m.DecoderPrefill(
             request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
-            main_kv=out.add(group.main_kv.data[0, :n]), index_k=out.add(group.index_k.data[0, :n]),
+            main_kv=out.add(group.main_kv.raw(slice(0, n))), index_k=out.add(group.index_k.raw(slice(0, n))),
             streams=out.add(x), pre_mix=out.add(pre_mix))
         return _relay(*self.decoder.call(request, out))
 

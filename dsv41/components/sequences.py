@@ -1,7 +1,8 @@
 """Per-request sequence state in the encoder and decoder, dropped when left idle.
 
-A request's state is released by its owner when it ends; if the owner died first (a killed
-scheduler), nobody will, so entries untouched for `idle_s` are dropped by a periodic sweep.
+A request's state is released by its owner when it ends, giving its global KV pages back; if the
+owner died first (a killed scheduler), nobody will, so entries untouched for `idle_s` are dropped
+by a periodic sweep.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class Sequences:
         return seq
 
     def pop(self, request_id: int) -> None:
-        self._items.pop(request_id, None)
+        item = self._items.pop(request_id, None)
+        if item is not None:
+            item[0].cache.release()
 
     def sweep(self) -> int:
         """Drop idle entries (at most once a second); returns how many were dropped."""
@@ -45,5 +48,5 @@ class Sequences:
         self._next_sweep = now + 1.0
         idle = [rid for rid, (_, used) in self._items.items() if now - used > self.idle_s]
         for rid in idle:
-            del self._items[rid]
+            self.pop(rid)
         return len(idle)

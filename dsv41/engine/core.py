@@ -27,6 +27,7 @@ from dsv41.model.cache import (
     restore,
     restore_encoder_rings,
 )
+from dsv41.model.pages import PagePools
 from dsv41.model.rope import table_for
 from dsv41.model.transformer import Transformer
 from dsv41.storage.blockfmt import BlockLayout
@@ -41,6 +42,7 @@ class Counters:
     replayed_layer_tokens: int = 0  # layer-tokens spent rebuilding SWA state (decoder and encoder replay)
     # index scores computed, by layer kind (inside a prefill chunk this includes not-yet-visible entries)
     indexer_scored: dict[str, int] = field(default_factory=dict)
+    pages_in_use: int = 0  # global KV pages the sequence holds (main KV and index keys, every group)
 
 
 @dataclass
@@ -98,7 +100,7 @@ def _shared(parts: list[SharedAttention], sizes: list[int]) -> SharedAttention |
 
 
 class InferenceCore:
-    def __init__(self, model: Transformer, chunk_size: int = 512):
+    def __init__(self, model: Transformer, chunk_size: int = 512, pools: PagePools | None = None):
         if chunk_size < 1:
             raise ValueError(f"chunk size must be at least 1, got {chunk_size}")
         self.model, self.chunk_size = model, chunk_size
@@ -107,6 +109,7 @@ class InferenceCore:
         self.encoder_ids = [layer.spec.layer_id for layer in self.encoder]
         self.decoder = [layer for layer in model.layers if layer.spec.part is Part.DECODER]
         self.window = model.config.text_config.sliding_window
+        self.pools = pools or PagePools()  # global KV pages of every sequence this core makes
         assert self.decoder[0].spec.layer_id == plan.decoder_start
 
     @torch.inference_mode()
@@ -149,7 +152,7 @@ class InferenceCore:
         if blocks and cached >= len(ids):
             raise ValueError(f"a prefix of {cached} tokens needs a longer prompt than {len(ids)} tokens")
         seq = Sequence(DecodeCache.allocate(self.model.config, 1, capacity, packed=packed or bool(blocks),
-                                            layers=layers))
+                                            layers=layers, pools=self.pools))
         if blocks:
             import_blocks(seq.cache, blocks, layout)
             seq.cache.ids[:, :cached] = torch.tensor(ids[:cached])
@@ -201,6 +204,7 @@ class InferenceCore:
         x = torch.cat([k[0] for k in kept if k is not None], dim=1)
         pre_mix = torch.cat([k[1] for k in kept if k is not None], dim=1)
         seq.cache.length = n
+        seq.counters.pages_in_use = seq.cache.pages_in_use()
         return x, pre_mix, starts
 
     def decoder_replay(self, seq: Sequence, x: torch.Tensor, pre_mix: torch.Tensor, starts: list[int],
@@ -216,6 +220,7 @@ class InferenceCore:
             seq.counters.decoder_layer_tokens += n - start
             seq.counters.replayed_layer_tokens += n - start
         seq.cache.length = n
+        seq.counters.pages_in_use = seq.cache.pages_in_use()
         return self.model.finish(x[:, -1:], pre_mix[:, -1:])[1][0, -1]
 
     def _encode(self, seq: Sequence, tokens: torch.Tensor, start: int, end: int, keep_from: int,
@@ -292,6 +297,7 @@ class InferenceCore:
         for seq, ids in zip(seqs, tokens, strict=True):
             seq.counters.encoder_layer_tokens += len(ids) * len(self.encoder)
             seq.cache.length += len(ids)
+            seq.counters.pages_in_use = seq.cache.pages_in_use()
         return x, pre_mix
 
     def _batch_rows(self, rows: list):
@@ -323,6 +329,7 @@ class InferenceCore:
         for seq, start, size in zip(seqs, starts, sizes, strict=True):
             seq.counters.decoder_layer_tokens += size * len(self.decoder)
             seq.cache.length = start + size
+            seq.counters.pages_in_use = seq.cache.pages_in_use()
         logits = self.model.finish(x, pre_mix)[1][0]
         return list(logits.split(sizes)), list(torch.cat(targets, dim=-1)[0].split(sizes))
 
@@ -336,3 +343,15 @@ class InferenceCore:
     @torch.inference_mode()
     def rollback(seq: Sequence, saved) -> None:
         restore(seq.cache, saved)
+        seq.counters.pages_in_use = seq.cache.pages_in_use()
+
+    @staticmethod
+    def release(seq: Sequence) -> None:
+        """The sequence has ended: its global KV pages go back to the pool."""
+        seq.cache.release()
+        seq.counters.pages_in_use = 0
+
+    @property
+    def pages_in_use(self) -> int:
+        """Global KV pages held by all live sequences of this core."""
+        return self.pools.pages_in_use

@@ -47,13 +47,14 @@ def sparse_attention(
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
 
 
-def select_candidate_blocks(
-    scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int
+def candidate_entries(
+    scores: torch.Tensor, visible: torch.Tensor | int, n_blocks: int, block_size: int
 ) -> torch.Tensor:
     """The hierarchical pool: per query, the `n_blocks` blocks of `block_size` entries with the best
     block-max score, the block holding its newest visible entry always kept. scores [..., n] with
-    invisible entries at -inf; visible broadcasts against scores' leading dims. Returns a bool mask
-    shaped like scores."""
+    invisible entries at -inf; visible broadcasts against scores' leading dims. Returns the pool's
+    entry ids [..., min(n_blocks, blocks) * block_size] in ascending order, -1 for slots past the
+    last entry or in chosen blocks that score -inf; its size does not grow with n."""
     width = scores.size(-1)
     padded = F.pad(scores, (0, -width % block_size), value=-torch.inf)
     block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
@@ -61,9 +62,22 @@ def select_candidate_blocks(
     newest = (visible - 1) // block_size
     block_scores = block_scores.masked_fill(torch.arange(total) == newest, torch.inf)
     best = topk_entries(block_scores, min(n_blocks, total))  # equal block scores: the newer block wins
-    chosen = block_scores.gather(-1, best) > -torch.inf
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, best, chosen)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+    chosen = (block_scores.gather(-1, best) > -torch.inf).repeat_interleave(block_size, dim=-1)
+    ids = (best.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(-2)
+    return torch.where(chosen & (ids < width), ids, -1)
+
+
+def pool_mask(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """A pool's entry ids [..., p] (-1 unused) as a bool mask [..., width]."""
+    slots = torch.zeros(*ids.shape[:-1], width + 1, dtype=torch.bool)
+    return slots.scatter_(-1, torch.where(ids >= 0, ids, width).long(), True)[..., :width]
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, visible: torch.Tensor | int, n_blocks: int, block_size: int
+) -> torch.Tensor:
+    """`candidate_entries` as a bool mask shaped like scores (how the official code records it)."""
+    return pool_mask(candidate_entries(scores, visible, n_blocks, block_size), scores.size(-1))
 
 
 

@@ -173,7 +173,7 @@ def _softmax_step(q, k, valid, scale, running_max, denom, acc, BF16: tl.constexp
 
 @triton.jit
 def _sparse_attention_decode_kernel(q_ptr, ring_ptr, slots_ptr, main_ptr, topk_ptr, sink_ptr, out_ptr, scale,
-                                    W, K, N_MAIN, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
+                                    W, K, MAIN_STRIDE, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
                                     BLOCK_N: tl.constexpr, BF16: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, H_PAD)
@@ -191,7 +191,7 @@ def _sparse_attention_decode_kernel(q_ptr, ring_ptr, slots_ptr, main_ptr, topk_p
         j = start + tl.arange(0, BLOCK_N)
         entry = tl.load(topk_ptr + b * K + j, mask=j < K, other=-1)
         valid = entry >= 0
-        k = _load_main_kv(main_ptr + b * N_MAIN * (D // 2 + D // 16), tl.maximum(entry, 0).to(tl.int64), valid, D)
+        k = _load_main_kv(main_ptr + b * MAIN_STRIDE, tl.maximum(entry, 0).to(tl.int64), valid, D)
         running_max, denom, acc = _softmax_step(q, k, valid, scale, running_max, denom, acc, BF16)
     sink = tl.load(sink_ptr + heads, mask=heads < H, other=0.0)
     denom = denom + tl.exp(sink - running_max)
@@ -201,12 +201,15 @@ def _sparse_attention_decode_kernel(q_ptr, ring_ptr, slots_ptr, main_ptr, topk_p
 
 def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float, block_n: int = 16) -> torch.Tensor:
     """q [b, h, d] bf16; ring [b, W, swa bytes] with slots [b, W] (-1 unused); main [b, n, main bytes]
-    with topk [b, k] entry ids (-1 unused); sink [h] fp32 -> out [b, h, d] bf16."""
+    with topk [b, k] entry ids (-1 unused); sink [h] fp32 -> out [b, h, d] bf16. A main expanded over
+    the batch (stride 0: every sequence's pages in one shared pool) is read in place, not copied."""
     b, h, d = q.shape
     out = torch.empty_like(q)
+    if main.stride(0) != 0 or not main[0].is_contiguous():
+        main = main.contiguous()
     _sparse_attention_decode_kernel[(b,)](
-        q.contiguous(), ring.contiguous(), slots.int().contiguous(), main.contiguous(), topk.int().contiguous(),
-        sink.float().contiguous(), out, scale, ring.size(1), topk.size(1), main.size(1),
+        q.contiguous(), ring.contiguous(), slots.int().contiguous(), main, topk.int().contiguous(),
+        sink.float().contiguous(), out, scale, ring.size(1), topk.size(1), main.stride(0),
         h, max(16, triton.next_power_of_2(h)), d, block_n, _bf16_dots())
     return out
 

@@ -17,7 +17,7 @@ from torch import nn
 from dsv41.config import LayerSpec, Mode, TextConfig
 from dsv41.kernels import dispatch
 from dsv41.kernels.selection import topk_entries
-from dsv41.kernels.torch_ops import select_candidate_blocks, sparse_attention
+from dsv41.kernels.torch_ops import candidate_entries, pool_mask, sparse_attention
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
 from dsv41.model.layers import Linear, RMSNorm, Storage
@@ -39,7 +39,7 @@ class SharedAttention:
     main_kv: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, head_dim]
     index_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, index_head_dim]
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, s, k] entry ids, -1 = unused
-    candidates: torch.Tensor | None = None  # [b, s, n_entries] bool pool of the candidate source
+    candidates: torch.Tensor | None = None  # [b, s, pool size] entry ids of the candidate pool, -1 unused
     candidate_source: int = -1
     scored: dict[str, int] | None = None  # index entries scored, by layer kind, when counted
     trace: Trace | None = None
@@ -58,6 +58,14 @@ class SharedBatch:
     @property
     def capacity(self) -> int:
         return max(part.cache.capacity for part in self.parts)
+
+    @property
+    def one_decode_token_each(self) -> bool:
+        """Every sequence steps one token on a packed cache, all pages in the same pools: the case
+        attention runs batched (`Attention.forward_batch`)."""
+        caches = [part.cache for part in self.parts]
+        return (all(size == 1 for size in self.sizes) and all(part.start > 0 for part in self.parts)
+                and all(c.packed and c.pools is caches[0].pools for c in caches))
 
 
 # Index tables have a fixed width (W window columns, index_topk entry columns) and list each row's
@@ -218,6 +226,37 @@ class Attention(nn.Module):
         o = numerics.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
         return self.wo_b(o.flatten(2))
 
+    def forward_batch(self, x: torch.Tensor, table: torch.Tensor, batch: SharedBatch) -> torch.Tensor:
+        """One decode token per sequence (x [1, B, dim], `batch.parts[i]` at its own position) on
+        packed caches with pages in one pool: the projections and the attention kernel run once
+        over the batch; ring writes, compressor and indexer run per sequence on their own state."""
+        starts = [part.start for part in batch.parts]
+        rows = table[torch.tensor(starts)]
+        qr = self.q_norm(self.wq_a(x))
+        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
+        kv = rotate(self.kv_norm(self.wkv(x)), rows)
+        rings, slots, entries = [], [], []
+        for i, (part, start) in enumerate(zip(batch.parts, starts, strict=True)):
+            ring = part.cache.windows[self.spec.layer_id]
+            ring.write(slice(start % self.window, start % self.window + 1), kv[:, i : i + 1])
+            rings.append(ring.data)
+            slots.append(ring_indices(start, self.window).int())
+            if self.spec.ratio:
+                ids = self._global_branch(x[:, i : i + 1], qr[:, i : i + 1], table, part)[:, 0]
+                entries.append(part.cache.groups[self.spec.kv_owner].main_kv.physical(ids).int())
+        b = len(starts)
+        if self.spec.ratio:
+            main = batch.parts[0].cache.groups[self.spec.kv_owner].main_kv.pool.rows.expand(b, -1, -1)
+            entry_idx = torch.cat(entries)
+        else:
+            main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
+            entry_idx = torch.empty(b, 0, dtype=torch.int32)
+        o = dispatch.sparse_attention_decode(q[0], torch.cat(rings), torch.cat(slots), main, entry_idx,
+                                             self.attn_sink, self.head_dim**-0.5).unsqueeze(0)
+        o = rotate(o, rows, inverse=True).view(1, b, self.n_groups, -1)
+        o = numerics.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
+        return self.wo_b(o.flatten(2))
+
     def _attend(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
         """Attention over values in hand (a forward from position 0, or a bf16 decode cache)."""
         kv, idx = self._window(kv, shared)
@@ -241,7 +280,8 @@ class Attention(nn.Module):
             entry_idx = self._global_branch(x, qr, table, shared)[:, 0]
             _record(shared, self.spec.layer_id, "compress_topk_idxs",
                     torch.where(entry_idx >= 0, entry_idx + self.window, -1).unsqueeze(1))
-            main = cache.groups[self.spec.kv_owner].main_kv.data
+            store = cache.groups[self.spec.kv_owner].main_kv
+            main, entry_idx = store.pool.rows, store.physical(entry_idx).int()
         else:
             entry_idx = torch.empty(b, 0, dtype=torch.int32)
             main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
@@ -362,20 +402,36 @@ class Attention(nn.Module):
         store = shared.cache.groups[owner].index_k
         if not shared.cache.packed or s > 1:
             return self.indexer.scores(q, weights, store.read(slice(0, total)))
-        keys = store.data[:, :total]
+        keys = store.pool.rows
         if not self.spec.candidate_consumer:
-            return dispatch.index_scores(q[:, 0], weights[:, 0], keys).unsqueeze(1)
-        pool = shared.candidates[:, -1]
-        ids = torch.where(pool, torch.arange(total), total).sort(dim=-1).values[:, : int(pool.sum(-1).max())]
-        pool_scores = dispatch.index_scores(q[:, 0], weights[:, 0], keys, ids.clamp(max=total - 1))
+            rows = store.physical(torch.arange(total).unsqueeze(0))
+            return dispatch.index_scores(q[:, 0], weights[:, 0], keys, rows).unsqueeze(1)
+        ids = _compact(shared.candidates[:, -1])
+        pool_scores = dispatch.index_scores(q[:, 0], weights[:, 0], keys, store.physical(ids))
         scores = torch.full((x.size(0), total + 1), -torch.inf, dtype=pool_scores.dtype)
-        return scores.scatter(-1, ids, pool_scores)[:, :total].unsqueeze(1)
+        return scores.scatter(-1, torch.where(ids >= 0, ids, total).long(), pool_scores)[:, :total].unsqueeze(1)
+
+    def _select_in_pool(self, x, qr, table, shared: SharedAttention, total: int) -> torch.Tensor | None:
+        """A candidate consumer's decode step on a packed cache: only the pool's entries are scored
+        and ranked, so its cost does not grow with the context. None when the pool holds fewer
+        entries than the step picks: the reference's top-k then also takes entries outside it."""
+        ids, k = _compact(shared.candidates[:, -1]), min(self.indexer.topk, total)
+        if int((ids >= 0).sum(-1).min()) < k:
+            return None
+        start = shared.start
+        q, weights = self.indexer.query(x, qr, table[start : start + 1])
+        store = shared.cache.groups[self._key_owner(shared)].index_k
+        scores = dispatch.index_scores(q[:, 0], weights[:, 0], store.pool.rows, store.physical(ids))
+        if shared.scored is not None:
+            self._count_scored(scores, shared)
+        picked = ids.gather(-1, topk_entries(scores.masked_fill(ids < 0, -torch.inf), k))  # ids ascend: same ties
+        return F.pad(picked, (0, self.indexer.topk - k), value=-1).unsqueeze(1).int()
 
     def _count_scored(self, scores: torch.Tensor, shared: SharedAttention) -> None:
         """Entries scored: every visible one for Full layers, the pool's for Reindex layers."""
         if self.spec.candidate_consumer:
             pool = shared.candidates[:, shared.start - shared.rows_start[shared.candidate_source] :]
-            n = int(pool.sum())
+            n = int((pool >= 0).sum())
         else:
             n = int(torch.isfinite(scores).sum())
         key = _scored_kind(self.spec)
@@ -386,6 +442,10 @@ class Attention(nn.Module):
         total = (start + s) // spec.ratio
         if total == 0:
             return torch.empty(x.size(0), s, 0, dtype=torch.int32)
+        if spec.candidate_consumer and s == 1 and start > 0 and shared.cache.packed and shared.trace is None:
+            picked = self._select_in_pool(x, qr, table, shared, total)
+            if picked is not None:
+                return picked
         scores = self._scores(x, qr, table, shared, total)
         if shared.scored is not None:
             self._count_scored(scores, shared)
@@ -395,16 +455,24 @@ class Attention(nn.Module):
             visible = visible_entries(s, spec.ratio, start)
             scores = scores.masked_fill(torch.arange(total) >= visible, -torch.inf)
         if spec.candidate_source:
-            shared.candidates = select_candidate_blocks(scores, visible, self.candidate_blocks, self.candidate_size)
+            shared.candidates = candidate_entries(scores, visible, self.candidate_blocks, self.candidate_size)
             shared.candidate_source = spec.layer_id
-            _record(shared, spec.layer_id, "candidates", shared.candidates)
+            if shared.trace is not None:
+                _record(shared, spec.layer_id, "candidates", pool_mask(shared.candidates, total))
         elif spec.candidate_consumer:
             pool = shared.candidates[:, shared.start - shared.rows_start[shared.candidate_source] :]
-            scores = scores.masked_fill(~pool, -torch.inf)
+            scores = scores.masked_fill(~pool_mask(pool, total), -torch.inf)
         _record(shared, spec.layer_id, "index_score", scores)
         picked = topk_entries(scores, min(self.indexer.topk, total))
         picked = torch.where(picked < visible, picked, -1)
         return valid_first(F.pad(picked, (0, self.indexer.topk - picked.size(-1)), value=-1)).int()
+
+
+def _compact(ids: torch.Tensor) -> torch.Tensor:
+    """A pool's entry ids [b, p] with the unused (-1) ones moved last and dropped where every row
+    has them: ascending ids, as few columns as the fullest row needs."""
+    ids = valid_first(ids)
+    return ids[:, : int((ids >= 0).sum(-1).max())]
 
 
 def _scored_kind(spec: LayerSpec) -> str:

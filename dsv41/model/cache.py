@@ -1,10 +1,11 @@
 """Per-sequence state for incremental decoding.
 
 Laid out as the official implementation keeps it: a W-slot SWA ring per layer (slot = position
-mod W), and per global KV group its main KV and index keys by entry id plus the fp32
-partial-group state of a ratio-m compressor. Entries are stored either packed in their real bytes
-(`packed=True`: 288 B main KV, 68 B index key, 528 B SWA entry; `dsv41/kernels/layouts.py`) or as
-the bf16 values the reference's fake quantization produces. Both read back the same values.
+mod W), and per global KV group its main KV and index keys by entry id, in fixed-size pages of a
+shared pool (`pages.py`), plus the fp32 partial-group state of a ratio-m compressor. Entries are
+stored either packed in their real bytes (`packed=True`: 288 B main KV, 68 B index key, 528 B SWA
+entry; `dsv41/kernels/layouts.py`) or as the bf16 values the reference's fake quantization
+produces. Both read back the same values.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dsv41.kernels.layouts import (
     unpack_rows,
 )
 from dsv41.kernels.torch_ops import gather_rows
+from dsv41.model.pages import PagedEntries, PagePools
 
 
 @dataclass
@@ -60,8 +62,8 @@ class EntryStore:
 
 @dataclass
 class GroupCache:
-    main_kv: EntryStore  # [b, capacity // m]
-    index_k: EntryStore
+    main_kv: PagedEntries  # up to capacity // m entries
+    index_k: PagedEntries
     kv_state: torch.Tensor | None  # [b, m, head_dim] fp32, ratio > 1 only
     score_state: torch.Tensor | None  # [b, m, head_dim] fp32, -inf until written
 
@@ -84,6 +86,22 @@ class DecodeCache:
     # entry scores against the slot's keys, as the official implementation does.
     official_decode_slots: bool = False
     index_k_slot: int | None = field(default=None)
+    pools: PagePools = field(default_factory=PagePools)
+
+    def pages_in_use(self) -> int:
+        return sum(len(g.main_kv.pages) + len(g.index_k.pages) for g in self.groups.values())
+
+    def release(self) -> None:
+        """Give every page back to the pool (the sequence has ended)."""
+        for group in self.groups.values():
+            group.main_kv.keep(0)
+            group.index_k.keep(0)
+
+    def keep_pages_for(self, length: int) -> None:
+        """Give back the pages holding no entry of the first `length` positions."""
+        for group in self.groups.values():
+            group.main_kv.keep(length // _ratio(group))
+            group.index_k.keep(length // _ratio(group))
 
     def global_kv_bytes_held(self) -> int:
         """Bytes of global KV (packed sizes) the sequence holds: complete entries of every group."""
@@ -95,28 +113,32 @@ class DecodeCache:
 
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, capacity: int, official_decode_slots: bool = False,
-                 packed: bool = False, layers: set[int] | None = None) -> DecodeCache:
-        """Caches of every backbone layer, or of `layers` only (the part a component runs)."""
+                 packed: bool = False, layers: set[int] | None = None, pools: PagePools | None = None) -> DecodeCache:
+        """Caches of every backbone layer, or of `layers` only (the part a component runs). Global
+        KV pages come from `pools` (shared by a process's sequences) or from pools of its own."""
+        if batch != 1:
+            raise ValueError(f"a decode cache holds one sequence (batch 1), not {batch}")
         t = config.text_config
         if capacity > t.max_position_embeddings:
             raise ValueError(f"cache capacity {capacity} exceeds the context limit {t.max_position_embeddings}")
         swa, main, index = swa_format(t.head_dim), main_kv_format(t.head_dim), index_k_format(t.index_head_dim)
         specs = [s for s in config.plan.backbone if layers is None or s.layer_id in layers]
         windows = {s.layer_id: EntryStore.allocate(batch, t.sliding_window, swa, packed) for s in specs}
+        pools = pools if pools is not None else PagePools()
         groups = {}
         for s in specs:
             if s.mode is not Mode.FULL:
                 continue
             n, state = capacity // s.ratio, (batch, s.ratio, t.head_dim)
             groups[s.layer_id] = GroupCache(
-                main_kv=EntryStore.allocate(batch, n, main, packed),
-                index_k=EntryStore.allocate(batch, n, index, packed),
+                main_kv=PagedEntries(pools.pool(main, packed), n),
+                index_k=PagedEntries(pools.pool(index, packed), n),
                 kv_state=torch.zeros(state) if s.ratio > 1 else None,
                 score_state=torch.full(state, -torch.inf) if s.ratio > 1 else None,
             )
         return cls(capacity, windows, groups, torch.zeros(batch, capacity, dtype=torch.long),
                    torch.ones(batch, capacity, dtype=torch.bool), packed=packed,
-                   official_decode_slots=official_decode_slots)
+                   official_decode_slots=official_decode_slots, pools=pools)
 
 
 @dataclass
@@ -140,6 +162,7 @@ def checkpoint(cache: DecodeCache) -> CacheCheckpoint:
 def restore(cache: DecodeCache, saved: CacheCheckpoint) -> None:
     """Return the cache to `saved` exactly (rolling back tokens that were verified and rejected)."""
     cache.length, cache.index_k_slot = saved.length, saved.index_k_slot
+    cache.keep_pages_for(saved.length)
     for layer, ring in saved.rings.items():
         cache.windows[layer].data.copy_(ring)
     for layer, (kv, score) in saved.states.items():
@@ -162,7 +185,7 @@ def export_blocks(cache: DecodeCache, layout, first: int, count: int) -> list[by
         for (_, group), (ratio, _, _) in zip(_groups_in_order(cache), layout.groups, strict=True):
             n = layout.block_tokens // ratio
             rows = slice(b * n, (b + 1) * n)
-            parts += [group.main_kv.data[0, rows].numpy().tobytes(), group.index_k.data[0, rows].numpy().tobytes()]
+            parts += [group.main_kv.raw(rows).numpy().tobytes(), group.index_k.raw(rows).numpy().tobytes()]
         out.append(b"".join(parts))
     return out
 
@@ -175,9 +198,8 @@ def import_blocks(cache: DecodeCache, payloads: list[bytes], layout) -> None:
         for (_, group), (main, index) in zip(_groups_in_order(cache), split(layout, memoryview(payload)),
                                              strict=True):
             n = main.nbytes // group.main_kv.fmt.entry_bytes
-            rows = slice(b * n, (b + 1) * n)
-            group.main_kv.data[0, rows] = torch.frombuffer(bytearray(main), dtype=torch.uint8).view(n, -1)
-            group.index_k.data[0, rows] = torch.frombuffer(bytearray(index), dtype=torch.uint8).view(n, -1)
+            group.main_kv.put_raw(b * n, torch.frombuffer(bytearray(main), dtype=torch.uint8).view(n, -1))
+            group.index_k.put_raw(b * n, torch.frombuffer(bytearray(index), dtype=torch.uint8).view(n, -1))
 
 
 def encoder_rings(cache: DecodeCache, layers: list[int]) -> bytes:

@@ -1,0 +1,149 @@
+"""Global KV in fixed-size pages shared by every sequence of a process.
+
+A group's main-KV entries and index keys live in pages of `PAGE_ENTRIES` entries (256 token
+positions of a ratio-2 group, 128 of a ratio-1 group) taken from a pool as the sequence grows and
+given back when it ends, so memory follows the tokens held rather than each sequence's capacity.
+A sequence keeps a page table; kernels read the pool's rows through it (entry id -> pool row),
+the way paged attention reads a block table. The SWA rings stay per sequence: they are bounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv41.kernels import dispatch
+from dsv41.kernels.layouts import EntryFormat, quantize_dequantize, unpack_rows
+
+PAGE_ENTRIES = 128
+
+
+class PoolFull(RuntimeError):
+    """No free page is left under the pool's page limit."""
+
+
+class PagePool:
+    """Pages of one kind of entry (its format, packed bytes or bf16 values)."""
+
+    def __init__(self, fmt: EntryFormat, packed: bool, page_entries: int = PAGE_ENTRIES,
+                 max_pages: int | None = None):
+        self.fmt, self.packed, self.page_entries, self.max_pages = fmt, packed, page_entries, max_pages
+        self.width, self.dtype = (fmt.entry_bytes, torch.uint8) if packed else (fmt.dim, torch.bfloat16)
+        self.storage = torch.zeros(0, page_entries, self.width, dtype=self.dtype)
+        self._free: list[int] = []
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.storage.size(0) - len(self._free)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """Every page's entries as one [1, pages * page_entries, width] view (what kernels index)."""
+        return self.storage.view(1, -1, self.width)
+
+    def take(self, count: int) -> list[int]:
+        if self.max_pages is not None and self.pages_in_use + count > self.max_pages:
+            raise PoolFull(f"{self.fmt.name} page pool is full: {self.pages_in_use} of {self.max_pages} pages "
+                           f"in use, {count} more asked for")
+        missing = count - len(self._free)
+        if missing > 0:  # grow by at least doubling, so taking pages one by one stays cheap
+            have = self.storage.size(0)
+            grow = max(missing, have)
+            if self.max_pages is not None:
+                grow = max(missing, min(grow, self.max_pages - have))
+            more = torch.zeros(grow, self.page_entries, self.width, dtype=self.dtype)
+            self.storage = torch.cat([self.storage, more])
+            self._free.extend(range(have + grow - 1, have - 1, -1))
+        return [self._free.pop() for _ in range(count)]
+
+    def give(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@dataclass
+class PagePools:
+    """The pools of one process, one per entry format and storage form, made when first asked."""
+
+    page_entries: int = PAGE_ENTRIES
+    max_pages: int | None = None  # per pool; None: grow as needed
+    pools: dict[tuple[str, bool], PagePool] = field(default_factory=dict)
+
+    def pool(self, fmt: EntryFormat, packed: bool) -> PagePool:
+        key = (fmt.name, packed)
+        if key not in self.pools:
+            self.pools[key] = PagePool(fmt, packed, self.page_entries, self.max_pages)
+        return self.pools[key]
+
+    @property
+    def pages_in_use(self) -> int:
+        return sum(p.pages_in_use for p in self.pools.values())
+
+
+class PagedEntries:
+    """One sequence's entries of one kind, by entry id, in pages of a pool."""
+
+    def __init__(self, pool: PagePool, capacity: int):
+        self.pool, self.capacity = pool, capacity
+        self.pages: list[int] = []
+
+    @property
+    def fmt(self) -> EntryFormat:
+        return self.pool.fmt
+
+    @property
+    def packed(self) -> bool:
+        return self.pool.packed
+
+    def _reserve(self, entries: int) -> None:
+        if entries > self.capacity:
+            raise ValueError(f"{entries} {self.fmt.name} entries exceed the sequence's room for {self.capacity}")
+        needed = -(-entries // self.pool.page_entries) - len(self.pages)
+        if needed > 0:
+            self.pages += self.pool.take(needed)
+
+    def physical(self, ids: torch.Tensor) -> torch.Tensor:
+        """Pool rows of entry ids (any shape); -1 (unused) stays -1."""
+        table = torch.tensor(self.pages, dtype=torch.long)
+        size = self.pool.page_entries
+        safe = ids.long().clamp(min=0)
+        return torch.where(ids >= 0, table[safe // size] * size + safe % size, -1)
+
+    def _span(self, rows: slice) -> torch.Tensor:
+        return self.physical(torch.arange(rows.start or 0, rows.stop))
+
+    def write(self, rows: slice, values: torch.Tensor) -> None:
+        """Quantize unquantized entries rows.start.. into the pages (both forms hold the same values)."""
+        self._reserve(rows.stop)
+        quantize = dispatch.pack_rows if self.packed else quantize_dequantize
+        self.pool.rows[0, self._span(rows)] = quantize(values, self.fmt)[0]
+
+    def raw(self, rows: slice) -> torch.Tensor:
+        """Stored rows [n, width] as kept (bytes when packed)."""
+        return self.pool.rows[0, self._span(rows)]
+
+    def put_raw(self, start: int, rows: torch.Tensor) -> None:
+        """Store rows [n, width] already in this store's form at entries start.."""
+        self._reserve(start + rows.size(0))
+        self.pool.rows[0, self._span(slice(start, start + rows.size(0)))] = rows
+
+    def read(self, rows: slice) -> torch.Tensor:
+        """Values [1, n, dim] of entries in `rows`."""
+        data = self.raw(rows).unsqueeze(0)
+        return unpack_rows(data, self.fmt) if self.packed else data
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """Values [1, k, dim] by entry id idx [1, k] (-1 reads some finite row; callers mask it)."""
+        rows = self.pool.rows[0, self.physical(idx).clamp(min=0)]
+        return unpack_rows(rows, self.fmt) if self.packed else rows
+
+    def keep(self, entries: int) -> None:
+        """Give back the pages past the first `entries` entries (a rollback or a release)."""
+        keep = -(-entries // self.pool.page_entries)
+        if keep < len(self.pages):
+            self.pool.give(self.pages[keep:])
+            del self.pages[keep:]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.pages) * self.pool.page_entries * self.pool.width * self.pool.storage.element_size()
