@@ -6,6 +6,7 @@ in-process inference core on the same weights (the micro model: 8 layers, W = 8)
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from dsv41 import messages as m
 from dsv41.components.runtime import ComponentError, Peer, new_request_id
 from dsv41.engine.core import InferenceCore
+from dsv41.model.pages import PAGE_ENTRIES
 from dsv41.model.reference import random_model
 from dsv41.model.tokenizer import byte_tokenizer, encode
 from dsv41.storage.blockfmt import BlockLayout
@@ -209,7 +211,22 @@ def test_decoder_matches_the_in_process_decoder_half(running, model, rng):
     with pytest.raises(ComponentError) as e:
         peer.call(bad_kv, out)
     assert e.value.code == m.ErrorCode.BAD_TENSOR
+    held = 2 * -(-30 // PAGE_ENTRIES)  # request 11's 30 decoder entries, main KV and index keys; 12 kept nothing
+    assert _gauges(peer, sequences=1, pages_in_use=held)
     assert peer.call(m.Release(request_id=11))[0] == m.Ack(request_id=11)
+    assert _gauges(peer, sequences=0, pages_in_use=0)
+
+
+def _gauges(peer, deadline_s: float = 5.0, **expected: int) -> bool:
+    """Whether the component's gauges reach `expected` (they are refreshed between messages)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        counters = peer.ping().counters
+        if all(counters.get(name) == value for name, value in expected.items()):
+            return True
+        time.sleep(0.02)
+    print(f"gauges {counters}, expected {expected}")
+    return False
 
 
 def _prefill_message(rid: int, seq, x, pre_mix, starts, n: int, group: int):

@@ -53,6 +53,7 @@ class DecoderComponent(Component):
 
     def tick(self) -> bool:
         self.counters["idle_sequences_dropped"] += self.sequences.sweep()
+        self.counters["sequences"], self.counters["pages_in_use"] = len(self.sequences), self.sequences.pages_in_use()
         return False
 
     def _prefill(self, message: m.DecoderPrefill, frames: list[memoryview]):
@@ -61,15 +62,19 @@ class DecoderComponent(Component):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(message.starts)} layer starts for "
                                  f"{len(self.core.decoder)} layers, length {n}, capacity {message.capacity}")
         seq = self._allocate(message.request_id, message.capacity)
-        group = seq.cache.groups[self.group]
-        for store, descriptor in ((group.main_kv, message.main_kv), (group.index_k, message.index_k)):
-            rows = m.tensor(descriptor, frames)
-            if rows.dtype != store.pool.dtype or rows.shape != (n, store.pool.width):
-                raise m.MessageError(m.ErrorCode.BAD_TENSOR, f"global KV of {descriptor.dtype} {descriptor.shape}; "
-                                     f"expected uint8 [{n}, {store.pool.width}]")
-            store.put_raw(0, rows)
-        x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
-        logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n)
+        try:
+            group = seq.cache.groups[self.group]
+            for store, descriptor in ((group.main_kv, message.main_kv), (group.index_k, message.index_k)):
+                rows = m.tensor(descriptor, frames)
+                if rows.dtype != store.pool.dtype or rows.shape != (n, store.pool.width):
+                    raise m.MessageError(m.ErrorCode.BAD_TENSOR, f"global KV of {descriptor.dtype} "
+                                         f"{descriptor.shape}; expected uint8 [{n}, {store.pool.width}]")
+                store.put_raw(0, rows)
+            x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
+            logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n)
+        except BaseException:
+            self.sequences.pop(message.request_id)  # a failed prefill keeps no sequence and no pages
+            raise
         self.counters.update(prefills=1, replayed_layer_tokens=seq.counters.replayed_layer_tokens,
                              decoder_layer_tokens=seq.counters.decoder_layer_tokens)
         return self._answer(message.request_id, seq, logits.unsqueeze(0), None)

@@ -281,6 +281,7 @@ class EncoderComponent(Component):
 
     def tick(self) -> bool:
         self.counters["idle_sequences_dropped"] += self.sequences.sweep()
+        self.counters["sequences"], self.counters["pages_in_use"] = len(self.sequences), self.sequences.pages_in_use()
         return False
 
     def _release(self, request_id: int) -> None:

@@ -35,6 +35,10 @@ class Sequences:
         self._items[request_id] = (seq, self.clock())
         return seq
 
+    def pages_in_use(self) -> int:
+        """Global KV pages the live sequences hold (a gauge for `dsv41 status`)."""
+        return sum(seq.cache.pages_in_use() for seq, _ in self._items.values())
+
     def pop(self, request_id: int) -> None:
         item = self._items.pop(request_id, None)
         if item is not None:

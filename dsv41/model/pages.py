@@ -86,6 +86,7 @@ class PagedEntries:
     def __init__(self, pool: PagePool, capacity: int):
         self.pool, self.capacity = pool, capacity
         self.pages: list[int] = []
+        self._table = torch.empty(0, dtype=torch.long)  # self.pages as a tensor, rebuilt when they change
 
     @property
     def fmt(self) -> EntryFormat:
@@ -101,13 +102,13 @@ class PagedEntries:
         needed = -(-entries // self.pool.page_entries) - len(self.pages)
         if needed > 0:
             self.pages += self.pool.take(needed)
+            self._table = torch.tensor(self.pages, dtype=torch.long)
 
     def physical(self, ids: torch.Tensor) -> torch.Tensor:
         """Pool rows of entry ids (any shape); -1 (unused) stays -1."""
-        table = torch.tensor(self.pages, dtype=torch.long)
         size = self.pool.page_entries
         safe = ids.long().clamp(min=0)
-        return torch.where(ids >= 0, table[safe // size] * size + safe % size, -1)
+        return torch.where(ids >= 0, self._table[safe // size] * size + safe % size, -1)
 
     def _span(self, rows: slice) -> torch.Tensor:
         return self.physical(torch.arange(rows.start or 0, rows.stop))
@@ -143,6 +144,7 @@ class PagedEntries:
         if keep < len(self.pages):
             self.pool.give(self.pages[keep:])
             del self.pages[keep:]
+            self._table = self._table[:keep]
 
     @property
     def nbytes(self) -> int:
