@@ -5,8 +5,10 @@ through the reference-numerics model is out of reach on a CPU), then a few decod
 a packed cache. Each step is timed per layer and summed by kind: SWA-only, Full (ratio 2, scoring
 every visible entry), Full building the candidate pool (ratio 1), Reindex (scores the pool),
 Reuse. KV bytes read per step are counted from the plan and compared with this machine's copy
-bandwidth measured in the same run. Writes benchmarks/results/decode.json.
-Usage: python benchmarks/decode.py [--contexts 4096 16384 65536] [--steps 3]
+bandwidth measured in the same run. Then a batch of sequences of different lengths steps one token
+each, as one batch (projections, MoE and the attention kernel once over the batch) and one by one.
+Writes benchmarks/results/decode.json.
+Usage: python benchmarks/decode.py [--contexts 4096 16384 65536] [--steps 3] [--batch 4 --batch-context 8192]
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 import torch
 
 from dsv41.config import Mode
+from dsv41.engine.core import InferenceCore, Sequence
 from dsv41.model.cache import DecodeCache
+from dsv41.model.pages import PagePools
 from dsv41.model.reference import random_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -39,9 +43,9 @@ def random_entries(fmt, n: int, gen: torch.Generator) -> torch.Tensor:
                       torch.randint(low, high, (n, fmt.scale_bytes), generator=gen, dtype=torch.uint8)], dim=1)
 
 
-def synthetic_cache(model, context: int, steps: int) -> DecodeCache:
+def synthetic_cache(model, context: int, steps: int, pools: PagePools | None = None) -> DecodeCache:
     gen = torch.Generator().manual_seed(context)
-    cache = DecodeCache.allocate(model.config, 1, context + steps + 1, packed=True)
+    cache = DecodeCache.allocate(model.config, 1, context + steps + 1, packed=True, pools=pools)
     for ring in cache.windows.values():
         ring.data[0] = random_entries(ring.fmt, ring.data.size(1), gen)
     for layer, group in cache.groups.items():
@@ -99,6 +103,24 @@ def time_layers(model, cache: DecodeCache, steps: int) -> dict[str, float]:
     return by_kind
 
 
+def time_batch(model, contexts: list[int], steps: int) -> dict:
+    """Median seconds of one decode step of every sequence: batched, and one sequence at a time."""
+    core = InferenceCore(model)
+    seqs = [Sequence(synthetic_cache(model, c, 2 * steps + 2, core.pools)) for c in contexts]
+    batched, alone = [], []
+    core.step_batch(seqs, [[4]] * len(seqs))  # warm-up
+    for step in range(steps):
+        start = time.perf_counter()
+        core.step_batch(seqs, [[5 + step]] * len(seqs))
+        batched.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for seq in seqs:
+            core.step(seq, [5 + step])
+        alone.append(time.perf_counter() - start)
+    return {"contexts": contexts, "batched_s": statistics.median(batched), "one_by_one_s": statistics.median(alone),
+            "pages_in_use": core.pages_in_use}
+
+
 def copy_bandwidth() -> float:
     src = torch.empty(128 * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -113,6 +135,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4, help="sequences in the batched step (0: skip it)")
+    parser.add_argument("--batch-context", type=int, default=8192,
+                        help="context of the longest sequence of the batch; the others hold 1/2, 1/4, ...")
     args = parser.parse_args()
     model = random_model("mini", seed=0)
     bandwidth = copy_bandwidth()
@@ -132,8 +157,15 @@ def main() -> None:
         for name, seconds in times.items():
             print(f"  {name:<26} {seconds * 1e3:>9.1f} ms  {kv[name] / 2**20:>9.2f} MiB")
         del cache
+    batch = None
+    if args.batch:
+        batch = time_batch(model, [max(1, args.batch_context >> i) for i in range(args.batch)], args.steps)
+        print(f"\n{args.batch} sequences of {batch['contexts']} tokens, one token each: batched "
+              f"{batch['batched_s'] * 1e3:.0f} ms, one by one {batch['one_by_one_s'] * 1e3:.0f} ms "
+              f"(ratio {batch['batched_s'] / batch['one_by_one_s']:.2f}); {batch['pages_in_use']} pages in use")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "decode.json").write_text(json.dumps({"bandwidth": bandwidth, "rows": rows}, indent=2) + "\n")
+    summary = {"bandwidth": bandwidth, "rows": rows, "batch": batch}
+    (RESULTS / "decode.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nwrote {RESULTS / 'decode.json'}")
 
 
