@@ -5,8 +5,11 @@ through the reference-numerics model is out of reach on a CPU), then a few decod
 a packed cache. Each step is timed per layer and summed by kind: SWA-only, Full (ratio 2, scoring
 every visible entry), Full building the candidate pool (ratio 1), Reindex (scores the pool),
 Reuse. KV bytes read per step are counted from the plan and compared with this machine's copy
-bandwidth measured in the same run. Then a batch of sequences of different lengths steps one token
-each, as one batch (projections, MoE and the attention kernel once over the batch) and one by one.
+bandwidth measured in the same run, and its FLOPs (every multiply-add counted, as the CPU path
+computes in fp32; `dsv41.engine.flops`) with the fp32 GEMM rate measured in the same run: the
+larger of the two floors is what a step could take at best on this machine. Then a batch of
+sequences of different lengths steps one token each, as one batch (projections, MoE and the
+attention kernel once over the batch) and one by one.
 Writes benchmarks/results/decode.json.
 Usage: python benchmarks/decode.py [--contexts 4096 16384 65536] [--steps 3] [--batch 4 --batch-context 8192]
 """
@@ -23,6 +26,7 @@ import torch
 
 from dsv41.config import Mode
 from dsv41.engine.core import InferenceCore, Sequence
+from dsv41.engine.flops import decode_token_flops
 from dsv41.model.cache import DecodeCache
 from dsv41.model.pages import PagePools
 from dsv41.model.reference import random_model
@@ -121,6 +125,16 @@ def time_batch(model, contexts: list[int], steps: int) -> dict:
             "pages_in_use": core.pages_in_use}
 
 
+def gemm_rate() -> float:
+    """FLOP/s of a large fp32 matmul with torch's threads (the best the CPU path's compute gets)."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 5 * 2 * 2048**3 / (time.perf_counter() - start)
+
+
 def copy_bandwidth() -> float:
     src = torch.empty(128 * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -140,8 +154,8 @@ def main() -> None:
                         help="context of the longest sequence of the batch; the others hold 1/2, 1/4, ...")
     args = parser.parse_args()
     model = random_model("mini", seed=0)
-    bandwidth = copy_bandwidth()
-    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s")
+    bandwidth, rate = copy_bandwidth(), gemm_rate()
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s; fp32 GEMM: {rate / 1e9:.1f} GFLOP/s")
     rows = []
     limit = model.config.text_config.max_position_embeddings
     for context in args.contexts:
@@ -150,10 +164,13 @@ def main() -> None:
         times = time_layers(model, cache, args.steps)
         kv = kv_bytes_per_step(model, context)
         total_s, total_b = sum(times.values()), sum(kv.values())
+        flops = decode_token_flops(model.config, context, weighted=False).total
         rows.append({"context": context, "step_s": total_s, "kv_bytes": total_b, "by_kind_s": times,
-                     "by_kind_kv_bytes": kv, "kv_bytes_over_bandwidth_s": total_b / bandwidth})
+                     "by_kind_kv_bytes": kv, "kv_bytes_over_bandwidth_s": total_b / bandwidth, "flops": flops,
+                     "flops_over_gemm_rate_s": flops / rate})
         print(f"\ncontext {context:,}: step {total_s * 1e3:.0f} ms; KV read {total_b / 2**20:.1f} MiB "
-              f"(= {total_b / bandwidth * 1e3:.2f} ms at copy bandwidth)")
+              f"(= {total_b / bandwidth * 1e3:.2f} ms at copy bandwidth); {flops / 1e9:.2f} GFLOP "
+              f"(= {flops / rate * 1e3:.2f} ms at the GEMM rate)")
         for name, seconds in times.items():
             print(f"  {name:<26} {seconds * 1e3:>9.1f} ms  {kv[name] / 2**20:>9.2f} MiB")
         del cache
@@ -164,7 +181,7 @@ def main() -> None:
               f"{batch['batched_s'] * 1e3:.0f} ms, one by one {batch['one_by_one_s'] * 1e3:.0f} ms "
               f"(ratio {batch['batched_s'] / batch['one_by_one_s']:.2f}); {batch['pages_in_use']} pages in use")
     RESULTS.mkdir(exist_ok=True)
-    summary = {"bandwidth": bandwidth, "rows": rows, "batch": batch}
+    summary = {"bandwidth": bandwidth, "gemm_flops_per_s": rate, "rows": rows, "batch": batch}
     (RESULTS / "decode.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nwrote {RESULTS / 'decode.json'}")
 

@@ -65,6 +65,9 @@ def test_flops_grow_only_through_the_indexers():
     assert changed == {"indexer scoring (Full)", "indexer scoring (Reindex, pool)"}
     # Full layers score every visible entry: 3 encoder layers at ratio 2 and layer 20 at ratio 1
     assert long.parts["indexer scoring (Full)"] == 2 * 0.25 * 32 * 128 * (3 * 524288 + 1048576)
+    plain = decode_token_flops(config, 1_048_576, weighted=False)  # every multiply-add as 2 FLOPs
+    assert plain.parts["indexer scoring (Full)"] == 4 * long.parts["indexer scoring (Full)"]
+    assert plain.parts["head"] == long.parts["head"] and plain.total > long.total
     result = CliRunner().invoke(cli, ["flops", "--context", "4096,1048576"])
     assert result.exit_code == 0 and "+31.5%" in result.stdout and "about +1/4" in result.stdout
     assert CliRunner().invoke(cli, ["flops", "--context", "4k"]).exit_code == 2
