@@ -62,7 +62,7 @@ class SharedBatch:
     @property
     def one_decode_token_each(self) -> bool:
         """Every sequence steps one token on a packed cache, all pages in the same pools: the case
-        attention runs batched (`Attention.forward_batch`)."""
+        attention runs batched (`Attention.forward` given the batch)."""
         caches = [part.cache for part in self.parts]
         return (all(size == 1 for size in self.sizes) and all(part.start > 0 for part in self.parts)
                 and all(c.packed and c.pools is caches[0].pools for c in caches))
@@ -209,51 +209,27 @@ class Attention(nn.Module):
         owns_index = spec.mode in (Mode.FULL, Mode.REINDEX)
         self.indexer = Indexer(t, spec.mode is Mode.FULL, device) if owns_index else None
 
-    def forward(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention | SharedBatch) -> torch.Tensor:
         """x [b, s, dim] after attn_norm at positions shared.start..; `table` holds RoPE rows from
         position 0 on. Without a cache only start 0; with one, any start and length (a one-token
-        step on a packed cache reads it through the packed-cache kernels)."""
+        step on a packed cache reads it through the packed-cache kernels). A `SharedBatch` of one
+        decode token per sequence (x [1, B, dim]) runs as one batch: projections and the attention
+        kernel once, ring writes, compressor and indexer per sequence on its own state."""
         b, s, _ = x.shape
-        rows = table[shared.start : shared.start + s]
+        if isinstance(shared, SharedBatch):
+            rows = table[torch.tensor([part.start for part in shared.parts])]
+        else:
+            rows = table[shared.start : shared.start + s]
         qr = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
         kv = rotate(self.kv_norm(self.wkv(x)), rows)
-        if shared.start > 0 and s == 1 and shared.cache.packed:
-            o = self._decode_packed(x, qr, q, kv, table, shared)
+        if isinstance(shared, SharedBatch):
+            o = self._decode_packed(x, qr, q[0], kv, table, shared.parts).unsqueeze(0)
+        elif shared.start > 0 and s == 1 and shared.cache.packed:
+            o = self._decode_packed(x, qr, q[:, 0], kv, table, [shared]).unsqueeze(1)
         else:
             o = self._attend(x, qr, q, kv, table, shared)
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
-        o = numerics.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
-        return self.wo_b(o.flatten(2))
-
-    def forward_batch(self, x: torch.Tensor, table: torch.Tensor, batch: SharedBatch) -> torch.Tensor:
-        """One decode token per sequence (x [1, B, dim], `batch.parts[i]` at its own position) on
-        packed caches with pages in one pool: the projections and the attention kernel run once
-        over the batch; ring writes, compressor and indexer run per sequence on their own state."""
-        starts = [part.start for part in batch.parts]
-        rows = table[torch.tensor(starts)]
-        qr = self.q_norm(self.wq_a(x))
-        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
-        kv = rotate(self.kv_norm(self.wkv(x)), rows)
-        rings, slots, entries = [], [], []
-        for i, (part, start) in enumerate(zip(batch.parts, starts, strict=True)):
-            ring = part.cache.windows[self.spec.layer_id]
-            ring.write(slice(start % self.window, start % self.window + 1), kv[:, i : i + 1])
-            rings.append(ring.data)
-            slots.append(ring_indices(start, self.window).int())
-            if self.spec.ratio:
-                ids = self._global_branch(x[:, i : i + 1], qr[:, i : i + 1], table, part)[:, 0]
-                entries.append(part.cache.groups[self.spec.kv_owner].main_kv.physical(ids).int())
-        b = len(starts)
-        if self.spec.ratio:
-            main = batch.parts[0].cache.groups[self.spec.kv_owner].main_kv.pool.rows.expand(b, -1, -1)
-            entry_idx = torch.cat(entries)
-        else:
-            main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
-            entry_idx = torch.empty(b, 0, dtype=torch.int32)
-        o = dispatch.sparse_attention_decode(q[0], torch.cat(rings), torch.cat(slots), main, entry_idx,
-                                             self.attn_sink, self.head_dim**-0.5).unsqueeze(0)
-        o = rotate(o, rows, inverse=True).view(1, b, self.n_groups, -1)
         o = numerics.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
         return self.wo_b(o.flatten(2))
 
@@ -269,25 +245,31 @@ class Attention(nn.Module):
             kv = torch.cat([kv, entries], dim=1)
         return sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)
 
-    def _decode_packed(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
-        """One decode step read straight from packed bytes: the SWA ring and the Top-k main-KV
-        entries are gathered and dequantized inside the attention kernel."""
-        cache, start, b = shared.cache, shared.start, x.size(0)
-        ring = cache.windows[self.spec.layer_id]
-        ring.write(slice(start % self.window, start % self.window + 1), kv)
-        slots = ring_indices(start, self.window).int().expand(b, -1)
+    def _decode_packed(self, x, qr, q, kv, table, parts: list[SharedAttention]) -> torch.Tensor:
+        """One decode token of each sequence read straight from packed bytes, the i-th token of
+        x/qr/kv being parts[i]'s (q [B, heads, dim]): the SWA rings and the Top-k main-KV entries
+        are gathered and dequantized inside one attention kernel call; the entries of every
+        sequence sit in one page pool, which the kernel reads in place. Returns [B, heads, dim]."""
+        rings, slots, entries = [], [], []
+        for i, part in enumerate(parts):
+            ring, start = part.cache.windows[self.spec.layer_id], part.start
+            ring.write(slice(start % self.window, start % self.window + 1), kv[:, i : i + 1])
+            rings.append(ring.data)
+            slots.append(ring_indices(start, self.window).int())
+            if self.spec.ratio:
+                entry_idx = self._global_branch(x[:, i : i + 1], qr[:, i : i + 1], table, part)[:, 0]
+                _record(part, self.spec.layer_id, "compress_topk_idxs",
+                        torch.where(entry_idx >= 0, entry_idx + self.window, -1).unsqueeze(1))
+                entries.append(part.cache.groups[self.spec.kv_owner].main_kv.physical(entry_idx).int())
+        b = len(parts)
         if self.spec.ratio:
-            entry_idx = self._global_branch(x, qr, table, shared)[:, 0]
-            _record(shared, self.spec.layer_id, "compress_topk_idxs",
-                    torch.where(entry_idx >= 0, entry_idx + self.window, -1).unsqueeze(1))
-            store = cache.groups[self.spec.kv_owner].main_kv
-            main, entry_idx = store.pool.rows, store.physical(entry_idx).int()
+            main = parts[0].cache.groups[self.spec.kv_owner].main_kv.pool.rows.expand(b, -1, -1)
+            entry_idx = torch.cat(entries)
         else:
             entry_idx = torch.empty(b, 0, dtype=torch.int32)
             main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
-        out = dispatch.sparse_attention_decode(q[:, 0], ring.data, slots, main, entry_idx, self.attn_sink,
-                                               self.head_dim**-0.5)
-        return out.unsqueeze(1)
+        return dispatch.sparse_attention_decode(q, torch.cat(rings), torch.cat(slots), main, entry_idx,
+                                                self.attn_sink, self.head_dim**-0.5)
 
     def _window(self, kv: torch.Tensor, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """The SWA keys this forward attends over (FP8) and each query's slots in them; kv are the

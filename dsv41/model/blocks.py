@@ -58,10 +58,8 @@ class Block(nn.Module):
 
 
     def _attention(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention | SharedBatch) -> torch.Tensor:
-        if isinstance(shared, SharedAttention):
+        if isinstance(shared, SharedAttention) or shared.one_decode_token_each:
             return self.attn(x, table, shared)
-        if shared.one_decode_token_each:
-            return self.attn.forward_batch(x, table, shared)
         parts = x.split(shared.sizes, dim=1)
         return torch.cat([self.attn(part, table, one) for part, one in zip(parts, shared.parts, strict=True)], dim=1)
 
