@@ -68,3 +68,17 @@ def test_packed_cache_holds_the_plan_bytes():
     cache.length = 1024
     assert global_bytes == 890 * 1024 == cache.global_kv_bytes_held()
     assert sum(w.nbytes for w in cache.windows.values()) == 40 * 128 * 528
+
+
+@pytest.mark.parametrize("fmt", [main_kv_format(64), index_k_format(64), swa_format(64)], ids=lambda f: f.name)
+def test_unpacking_to_bf16_equals_rounding_the_fp32_values(fmt):
+    """Rows decode in bf16 directly; every code byte with every scale code (subnormal, NaN) gives
+    bit for bit the fp32 values rounded to bf16 (NaN where they are NaN)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(256, -(-fmt.code_bytes // 256))[:, : fmt.code_bytes]
+    scales = torch.arange(256, dtype=torch.uint8).view(-1, 1).repeat(1, fmt.scale_bytes)
+    rows = torch.cat([codes.roll(1, dims=0), scales], dim=1)
+    direct = unpack_rows(rows, fmt, torch.bfloat16)
+    rounded = unpack_rows(rows, fmt, torch.float32).bfloat16()
+    nan = rounded.isnan()
+    assert torch.equal(direct.isnan(), nan) and nan.any()
+    assert torch.equal(direct[~nan].view(torch.int16), rounded[~nan].view(torch.int16))

@@ -45,6 +45,15 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return E2M1_TABLE.to(codes.device)[codes.long() & 0xF]
 
 
+# Both values of every byte (low nibble first): packed FP4 rows decode with one lookup per byte.
+_E2M1_BYTE_PAIRS = torch.stack([E2M1_TABLE[torch.arange(256) & 0xF], E2M1_TABLE[torch.arange(256) >> 4]], dim=-1)
+
+
+def e2m1_decode_bytes(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., K/2] bytes -> [..., K] values in dtype (exact in bf16 too): e2m1_decode(unpack_nibbles(packed))."""
+    return _E2M1_BYTE_PAIRS.to(device=packed.device, dtype=dtype)[packed.view(torch.uint8).int()].flatten(-2)
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[..., K] 4-bit codes -> [..., K/2] bytes, the even element in the low nibble."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
@@ -68,8 +77,9 @@ def e4m3_encode(x: torch.Tensor, saturate: bool = True) -> torch.Tensor:
     return codes.to(torch.uint8)
 
 
-def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
-    return codes.contiguous().view(torch.float8_e4m3fn).float()
+def e4m3_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """E4M3 bytes -> values in dtype (every E4M3 value is exact in bf16)."""
+    return codes.contiguous().view(torch.float8_e4m3fn).to(dtype)
 
 
 def e8m0_encode(x: torch.Tensor, rounding: str = "up") -> torch.Tensor:
