@@ -136,3 +136,12 @@ def test_onnx_quantize_linear_e4m3_saturates():
     case = ONNX["test_quantizelinear_e4m3fn"]
     x, scale = _values(case["test_data_set_0/input_0.pb"]), _values(case["test_data_set_0/input_1.pb"])
     assert codecs.e4m3_encode(x / scale).tolist() == case["test_data_set_0/output_0.pb"]["codes"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_whole_fp4_bytes_equals_decoding_each_nibble(dtype):
+    packed = torch.arange(256, dtype=torch.uint8)[torch.randperm(256)].view(4, 2, 32)
+    expected = codecs.e2m1_decode(codecs.unpack_nibbles(packed))
+    got = codecs.e2m1_decode_bytes(packed, dtype)
+    assert got.shape == (4, 2, 64) and got.dtype == dtype
+    assert torch.equal(got.float().view(torch.int32), expected.view(torch.int32))  # -0 stays -0

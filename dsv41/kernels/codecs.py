@@ -47,11 +47,16 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 
 # Both values of every byte (low nibble first): packed FP4 rows decode with one lookup per byte.
 _E2M1_BYTE_PAIRS = torch.stack([E2M1_TABLE[torch.arange(256) & 0xF], E2M1_TABLE[torch.arange(256) >> 4]], dim=-1)
+_PAIR_AS_INT = {torch.bfloat16: torch.int32, torch.float32: torch.int64}
 
 
 def e2m1_decode_bytes(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[..., K/2] bytes -> [..., K] values in dtype (exact in bf16 too): e2m1_decode(unpack_nibbles(packed))."""
-    return _E2M1_BYTE_PAIRS.to(device=packed.device, dtype=dtype)[packed.view(torch.uint8).int()].flatten(-2)
+    """[..., K/2] bytes -> [..., K] values in dtype (bf16 or fp32; both hold them exactly): what
+    e2m1_decode(unpack_nibbles(packed)) gives. Each byte's pair of values is one integer of the
+    table, so the decode is a single 1-D index_select (several times faster than a 2-D lookup)."""
+    table = _E2M1_BYTE_PAIRS.to(device=packed.device, dtype=dtype).view(_PAIR_AS_INT[dtype]).flatten()
+    pairs = table.index_select(0, packed.reshape(-1).view(torch.uint8).int())
+    return pairs.view(dtype).view(*packed.shape[:-1], 2 * packed.size(-1))
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
