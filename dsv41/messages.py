@@ -60,6 +60,7 @@ class ErrorCode(IntEnum):
     UNAVAILABLE = 7  # a component this request needs died or did not answer in time
     INTERNAL = 8  # the component failed on this request
     SHUTTING_DOWN = 9
+    CAPACITY = 10  # the component's global KV page pool cannot hold this request now
 
 
 class FinishReason(IntEnum):

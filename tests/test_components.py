@@ -267,6 +267,43 @@ def test_decoder_steps_a_batch_like_the_in_process_batch(running, model, rng):
     assert torch.equal(m.tensor(answer.main_hidden, frames), torch.cat(hidden))
 
 
+def test_a_full_page_pool_fails_only_the_request_that_needs_a_page(running, model, rng):
+    """kv_pages = 2 per pool: a sequence of 127 positions and one of 5 fill both pools (one page of
+    128 decoder entries each). A third prefill and a step that needs a second page get CAPACITY;
+    the other request of that batch is stepped, and a released sequence's pages serve the next."""
+    r = running("decoder", decoder={"kv_pages": 2})
+    peer = r.start()
+    group, seqs, core = model.config.plan.decoder_start, {}, None
+    for rid, n in ((61, 127), (62, 5), (63, 9)):
+        ids = torch.randint(3, 300, (n,), generator=rng).tolist()
+        core, seq, x, pre_mix, starts = _encoded_prompt(model, ids)
+        if rid == 63:
+            with pytest.raises(ComponentError) as e:
+                peer.call(*_prefill_message(rid, seq, x, pre_mix, starts, n, group))
+            assert e.value.code == m.ErrorCode.CAPACITY and "page pool is full: 2 of 2 pages" in str(e.value)
+            continue
+        peer.call(*_prefill_message(rid, seq, x, pre_mix, starts, n, group))
+        core.decoder_replay(seq, x, pre_mix, starts, n)
+        seqs[rid] = seq
+    assert _gauges(peer, sequences=2, pages_in_use=4)
+    starts = [seqs[61].cache.length, seqs[62].cache.length]
+    x, pre_mix = core.encode_tokens_batch(list(seqs.values()), [[7, 8], [9]])
+    out = m.Frames()
+    answer, frames = peer.call(m.DecoderBatchStep(request_id=64, request_ids=[61, 62], starts=starts, sizes=[2, 1],
+                                                  streams=out.add(x), pre_mix=out.add(pre_mix)), out)
+    assert answer.request_ids == [62] and [(e.request_id, e.code) for e in answer.errors] == [
+        (61, m.ErrorCode.CAPACITY)]
+    expected, _ = core.decode_streams(seqs[62], x[:, 2:], pre_mix[:, 2:], starts[1])
+    assert torch.equal(m.tensor(answer.logits, frames), expected)
+    peer.call(m.Release(request_id=62))
+    out = m.Frames()  # request 61's state did not move: its step now runs at the same position
+    answer, frames = peer.call(m.DecoderStep(request_id=61, start=starts[0], streams=out.add(x[:, :2]),
+                                             pre_mix=out.add(pre_mix[:, :2])), out)
+    expected, _ = core.decode_streams(seqs[61], x[:, :2], pre_mix[:, :2], starts[0])
+    assert torch.equal(m.tensor(answer.logits, frames), expected)
+    assert _gauges(peer, sequences=1, pages_in_use=4)
+
+
 def _logits_answer(vocab: int):
     def answer(message, frames):
         if isinstance(message, m.Release):

@@ -1,6 +1,8 @@
 """Global KV in fixed-size pages: the pool, one sequence's page table, and the core's sequences
 sharing one pool (pages interleaved) giving exactly what each sequence gives alone."""
 
+import copy
+
 import pytest
 import torch
 
@@ -111,3 +113,27 @@ def test_a_dropped_component_sequence_gives_its_pages_back(micro, rng):
     clock[0] = 10.0
     assert sequences.sweep() == 1  # the other one went idle
     assert core.pages_in_use == 0
+
+
+def test_a_full_pool_refuses_work_before_changing_any_state(micro, rng):
+    """Pages are taken before computing: a prefill or a step that cannot get them raises PoolFull,
+    holds no new state, and the same step succeeds once pages are free, equal to a run that never
+    hit the limit."""
+    core = InferenceCore(micro, chunk_size=8, pools=PagePools(page_entries=4))
+    free = InferenceCore(micro, chunk_size=8, pools=PagePools(page_entries=4))
+    ids, other, tokens = _prompt(rng, 15), _prompt(rng, 9), _prompt(rng, 3)
+    seq, _ = core.prefill(ids, "ced", packed=True)
+    reference, _ = free.prefill(ids, "ced", packed=True)
+    for pool in core.pools.pools.values():  # every pool exactly full
+        pool.max_pages = pool.pages_in_use
+    held = core.pages_in_use
+    with pytest.raises(PoolFull, match="page pool is full"):
+        core.prefill(other, "ced", packed=True)
+    assert core.pages_in_use == held
+    length, counters = seq.cache.length, copy.deepcopy(seq.counters)
+    with pytest.raises(PoolFull):
+        core.step(seq, tokens)  # positions 15..17 need a fifth page in the ratio-1 groups
+    assert seq.cache.length == length and seq.counters == counters
+    for pool in core.pools.pools.values():
+        pool.max_pages = None
+    assert torch.equal(core.step(seq, tokens), free.step(reference, tokens))

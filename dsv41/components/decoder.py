@@ -13,9 +13,9 @@ import torch
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
 from dsv41.components.runtime import Component, Reply
-from dsv41.components.sequences import Sequences
+from dsv41.components.sequences import Sequences, model_core, page_capacity
 from dsv41.config import Part
-from dsv41.engine.core import InferenceCore, Sequence
+from dsv41.engine.core import Sequence
 from dsv41.model.cache import DecodeCache
 
 
@@ -25,25 +25,25 @@ class DecoderComponent(Component):
 
     def __init__(self, context: ComponentContext):
         super().__init__()
-        model = context.build_model()
-        self.core = InferenceCore(model, context.pipeline.generation.chunk_size)
-        plan = model.config.plan
+        self.core = model_core(context, self.name)
+        plan = self.core.model.config.plan
         self.layers = {s.layer_id for s in plan.backbone if s.part is Part.DECODER}
         self.group = plan.decoder_start
         self.sequences = Sequences(context.pipeline.generation.request_timeout_s)
 
     @torch.inference_mode()
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
-        match message:
-            case m.DecoderPrefill():
-                reply(*self._prefill(message, frames))
-            case m.DecoderStep():
-                reply(*self._step(message, frames))
-            case m.DecoderBatchStep():
-                reply(*self._batch_step(message, frames))
-            case m.Release():
-                self.sequences.pop(message.request_id)
-                reply(m.Ack(request_id=message.request_id))
+        with page_capacity():
+            match message:
+                case m.DecoderPrefill():
+                    reply(*self._prefill(message, frames))
+                case m.DecoderStep():
+                    reply(*self._step(message, frames))
+                case m.DecoderBatchStep():
+                    reply(*self._batch_step(message, frames))
+                case m.Release():
+                    self.sequences.pop(message.request_id)
+                    reply(m.Ack(request_id=message.request_id))
 
     def _allocate(self, rid: int, capacity: int) -> Sequence:
         seq = Sequence(DecodeCache.allocate(self.core.model.config, 1, capacity, packed=True, layers=self.layers,
@@ -105,6 +105,11 @@ class DecoderComponent(Component):
                 if start != seq.cache.length:
                     raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"step at position {start}, but the sequence "
                                          f"holds {seq.cache.length} positions")
+                if start + message.sizes[i] > seq.cache.capacity:
+                    raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{message.sizes[i]} tokens at position "
+                                         f"{start} exceed the sequence's {seq.cache.capacity} positions")
+                with page_capacity():  # pages first: a full pool fails this request alone
+                    seq.cache.reserve(start + message.sizes[i], self.core.decoder_ids)
             except m.MessageError as e:
                 errors.append(m.ItemError(request_id=rid, code=e.code, component=self.name, text=str(e)))
                 continue

@@ -19,9 +19,9 @@ import torch
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
 from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
-from dsv41.components.sequences import Sequences
+from dsv41.components.sequences import Sequences, model_core, page_capacity
 from dsv41.config import Part
-from dsv41.engine.core import InferenceCore, Sequence
+from dsv41.engine.core import Sequence
 from dsv41.engine.prefix_cache import snapshot_position
 from dsv41.model.cache import export_blocks
 from dsv41.storage.blockfmt import BlockLayout
@@ -88,8 +88,8 @@ class EncoderComponent(Component):
 
     def __init__(self, context: ComponentContext):
         super().__init__()
-        model = context.build_model()
-        self.core = InferenceCore(model, context.pipeline.generation.chunk_size)
+        self.core = model_core(context, self.name)
+        model = self.core.model
         plan = model.config.plan
         self.layers = {s.layer_id for s in plan.backbone if s.part is Part.ENCODER} | {plan.decoder_start}
         self.decoder_group = plan.decoder_start
@@ -104,16 +104,17 @@ class EncoderComponent(Component):
         self.mailbox.put(message, frames)
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
-        match message:
-            case m.Prefill():
-                self._prefill(message, reply)
-            case m.Step():
-                self._step(message, reply)
-            case m.BatchStep():
-                self._batch_step(message, reply)
-            case m.Release():
-                self._release(message.request_id)
-                reply(m.Ack(request_id=message.request_id))
+        with page_capacity():
+            match message:
+                case m.Prefill():
+                    self._prefill(message, reply)
+                case m.Step():
+                    self._step(message, reply)
+                case m.BatchStep():
+                    self._batch_step(message, reply)
+                case m.Release():
+                    self._release(message.request_id)
+                    reply(m.Ack(request_id=message.request_id))
 
     # --- prefill ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -233,6 +234,8 @@ class EncoderComponent(Component):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(tokens)} tokens do not fit: "
                                  f"{seq.cache.length} of {seq.cache.capacity} positions used")
         start = seq.cache.length
+        with page_capacity():  # pages first: a full pool fails this request alone
+            seq.cache.reserve(start + len(tokens), self.core.encoder_ids)
         fetch = functools.partial(self._rows, item.request_id, start, start + len(tokens)) if item.engram_prefetch \
             else None
         return seq, tokens, fetch

@@ -8,9 +8,31 @@ by a periodic sweep.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from dsv41 import messages as m
-from dsv41.engine.core import Sequence
+from dsv41.engine.core import InferenceCore, Sequence
+from dsv41.model.pages import PagePools, PoolFull
+
+
+def model_core(context, name: str) -> InferenceCore:
+    """The core a model component runs: the pipeline's chunk size, and global KV page pools bounded
+    by the component's `kv_pages` option (pages per pool; unset: they grow with the requests)."""
+    pages = context.option(name, "kv_pages", None)
+    if pages is not None and (not isinstance(pages, int) or isinstance(pages, bool) or pages < 1):
+        raise ValueError(f"components.{name}.options.kv_pages must be a positive integer, got {pages!r}")
+    return InferenceCore(context.build_model(), context.pipeline.generation.chunk_size, PagePools(max_pages=pages))
+
+
+@contextmanager
+def page_capacity() -> Iterator[None]:
+    """A full page pool fails the request at hand with CAPACITY (pages are taken before any work,
+    so nothing else changes); the other requests go on."""
+    try:
+        yield
+    except PoolFull as e:
+        raise m.MessageError(m.ErrorCode.CAPACITY, f"{e}; retry when other requests have finished") from None
 
 
 class Sequences:

@@ -108,6 +108,7 @@ class InferenceCore:
         self.encoder = [layer for layer in model.layers if layer.spec.part is Part.ENCODER]
         self.encoder_ids = [layer.spec.layer_id for layer in self.encoder]
         self.decoder = [layer for layer in model.layers if layer.spec.part is Part.DECODER]
+        self.decoder_ids = [layer.spec.layer_id for layer in self.decoder]
         self.window = model.config.text_config.sliding_window
         self.pools = pools or PagePools()  # global KV pages of every sequence this core makes
         assert self.decoder[0].spec.layer_id == plan.decoder_start
@@ -153,8 +154,14 @@ class InferenceCore:
             raise ValueError(f"a prefix of {cached} tokens needs a longer prompt than {len(ids)} tokens")
         seq = Sequence(DecodeCache.allocate(self.model.config, 1, capacity, packed=packed or bool(blocks),
                                             layers=layers, pools=self.pools))
+        try:
+            seq.cache.reserve(len(ids))  # a full page pool fails here, before any work
+            if blocks:
+                import_blocks(seq.cache, blocks, layout)
+        except BaseException:
+            seq.cache.release()
+            raise
         if blocks:
-            import_blocks(seq.cache, blocks, layout)
             seq.cache.ids[:, :cached] = torch.tensor(ids[:cached])
         return seq, cached
 
@@ -267,6 +274,9 @@ class InferenceCore:
         (mHC, norms, MoE, head) runs once over all their tokens, attention per sequence. Returns
         each sequence's logits [k_i, vocab]."""
         starts = [seq.cache.length for seq in seqs]
+        for seq, ids in zip(seqs, tokens, strict=True):  # both halves' pages first: a full pool changes nothing
+            self._check_step(seq, ids)
+            seq.cache.reserve(seq.cache.length + len(ids))
         x, pre_mix = self.encode_tokens_batch(seqs, tokens)
         return self.decode_streams_batch(seqs, x, pre_mix, starts, [len(t) for t in tokens])[0]
 
@@ -281,10 +291,9 @@ class InferenceCore:
         """`encode_tokens` for several sequences: their streams concatenated along the sequence axis."""
         parts, xs, pre_mixes, rows = [], [], [], []
         for seq, ids, fetch in zip(seqs, tokens, fetch_rows or [None] * len(seqs), strict=True):
-            if not ids:
-                raise ValueError("a step needs at least one token")
+            self._check_step(seq, ids)
             cache, start = seq.cache, seq.cache.length
-            self.model.check_span(start, len(ids), cache)
+            cache.reserve(start + len(ids), self.encoder_ids)
             x, pre_mix, row_ids, _ = self.model.begin(torch.tensor([ids]), start, cache)
             xs.append(x)
             pre_mixes.append(pre_mix)
@@ -299,6 +308,11 @@ class InferenceCore:
             seq.cache.length += len(ids)
             seq.counters.pages_in_use = seq.cache.pages_in_use()
         return x, pre_mix
+
+    def _check_step(self, seq: Sequence, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("a step needs at least one token")
+        self.model.check_span(seq.cache.length, len(ids), seq.cache)
 
     def _batch_rows(self, rows: list):
         """Engram rows of the batch: row ids concatenated, or lazily concatenated looked-up rows."""
@@ -321,6 +335,7 @@ class InferenceCore:
         parts = []
         for seq, start, size in zip(seqs, starts, sizes, strict=True):
             self.model.check_span(start, size, seq.cache)
+            seq.cache.reserve(start + size, self.decoder_ids)
             parts.append(SharedAttention(start=start, cache=seq.cache, scored=seq.counters.indexer_scored))
         targets: list[torch.Tensor] = []
         shared = _shared(parts, sizes)

@@ -97,6 +97,15 @@ class DecodeCache:
             group.main_kv.keep(0)
             group.index_k.keep(0)
 
+    def reserve(self, length: int, layers: set[int] | list[int] | None = None) -> None:
+        """Take the pages the first `length` positions need in the groups owned by `layers` (all
+        groups when None) before computing them, so that a full pool fails before any state
+        changes (pages already taken stay with the sequence until it is released); raises `PoolFull`."""
+        for owner, group in self.groups.items():
+            if layers is None or owner in layers:
+                group.main_kv.reserve(length // _ratio(group))
+                group.index_k.reserve(length // _ratio(group))
+
     def keep_pages_for(self, length: int) -> None:
         """Give back the pages holding no entry of the first `length` positions."""
         for group in self.groups.values():

@@ -96,7 +96,8 @@ class PagedEntries:
     def packed(self) -> bool:
         return self.pool.packed
 
-    def _reserve(self, entries: int) -> None:
+    def reserve(self, entries: int) -> None:
+        """Hold pages for the first `entries` entries (all or nothing: a full pool takes none)."""
         if entries > self.capacity:
             raise ValueError(f"{entries} {self.fmt.name} entries exceed the sequence's room for {self.capacity}")
         needed = -(-entries // self.pool.page_entries) - len(self.pages)
@@ -115,7 +116,7 @@ class PagedEntries:
 
     def write(self, rows: slice, values: torch.Tensor) -> None:
         """Quantize unquantized entries rows.start.. into the pages (both forms hold the same values)."""
-        self._reserve(rows.stop)
+        self.reserve(rows.stop)
         quantize = dispatch.pack_rows if self.packed else quantize_dequantize
         self.pool.rows[0, self._span(rows)] = quantize(values, self.fmt)[0]
 
@@ -125,7 +126,7 @@ class PagedEntries:
 
     def put_raw(self, start: int, rows: torch.Tensor) -> None:
         """Store rows [n, width] already in this store's form at entries start.."""
-        self._reserve(start + rows.size(0))
+        self.reserve(start + rows.size(0))
         self.pool.rows[0, self._span(slice(start, start + rows.size(0)))] = rows
 
     def read(self, rows: slice) -> torch.Tensor:
