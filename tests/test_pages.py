@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from dsv41.components.sequences import Sequences
+from dsv41.components.sequences import Sequences, model_core
 from dsv41.engine.core import InferenceCore
 from dsv41.kernels.layouts import index_k_format, main_kv_format, quantize_dequantize
 from dsv41.model.pages import PagedEntries, PagePool, PagePools, PoolFull
@@ -137,3 +137,14 @@ def test_a_full_pool_refuses_work_before_changing_any_state(micro, rng):
     for pool in core.pools.pools.values():
         pool.max_pages = None
     assert torch.equal(core.step(seq, tokens), free.step(reference, tokens))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "many"])
+def test_a_components_kv_pages_option_must_be_a_positive_integer(bad):
+    class Context:  # what model_core reads before it builds anything
+        def option(self, component, key, default):
+            return bad if (component, key) == ("decoder", "kv_pages") else default
+
+    with pytest.raises(ValueError, match=f"components.decoder.options.kv_pages must be a positive integer, "
+                                         f"got {bad!r}"):
+        model_core(Context(), "decoder")
