@@ -286,6 +286,13 @@ def test_a_full_page_pool_fails_only_the_request_that_needs_a_page(running, mode
         core.decoder_replay(seq, x, pre_mix, starts, n)
         seqs[rid] = seq
     assert _gauges(peer, sequences=2, pages_in_use=4)
+    out = m.Frames()  # a `full` prefill's first chunk makes a new sequence: refused, it keeps none
+    first_chunk = m.DecoderStep(request_id=63, start=0, capacity=32, streams=out.add(x[:, :4]),
+                                pre_mix=out.add(pre_mix[:, :4]))
+    with pytest.raises(ComponentError) as e:
+        peer.call(first_chunk, out)
+    assert e.value.code == m.ErrorCode.CAPACITY
+    assert _gauges(peer, sequences=2, pages_in_use=4)
     starts = [seqs[61].cache.length, seqs[62].cache.length]
     x, pre_mix = core.encode_tokens_batch(list(seqs.values()), [[7, 8], [9]])
     out = m.Frames()

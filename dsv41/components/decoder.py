@@ -8,6 +8,9 @@ DSpark's input (mean over hc copies of the streams entering the target layers).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
 import torch
 
 from dsv41 import messages as m
@@ -45,11 +48,18 @@ class DecoderComponent(Component):
                     self.sequences.pop(message.request_id)
                     reply(m.Ack(request_id=message.request_id))
 
-    def _allocate(self, rid: int, capacity: int) -> Sequence:
+    @contextmanager
+    def _new_sequence(self, rid: int, capacity: int) -> Iterator[Sequence]:
+        """A sequence for a request's first message; if that message fails, the sequence and its
+        pages are dropped, so the request can be sent again."""
         seq = Sequence(DecodeCache.allocate(self.core.model.config, 1, capacity, packed=True, layers=self.layers,
                                             pools=self.core.pools))
         self.sequences.add(rid, seq)
-        return seq
+        try:
+            yield seq
+        except BaseException:
+            self.sequences.pop(rid)
+            raise
 
     def tick(self) -> bool:
         self.counters["idle_sequences_dropped"] += self.sequences.sweep()
@@ -61,8 +71,7 @@ class DecoderComponent(Component):
         if len(message.starts) != len(self.core.decoder) or not 0 < n <= message.capacity:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(message.starts)} layer starts for "
                                  f"{len(self.core.decoder)} layers, length {n}, capacity {message.capacity}")
-        seq = self._allocate(message.request_id, message.capacity)
-        try:
+        with self._new_sequence(message.request_id, message.capacity) as seq:
             group = seq.cache.groups[self.group]
             for store, descriptor in ((group.main_kv, message.main_kv), (group.index_k, message.index_k)):
                 rows = m.tensor(descriptor, frames)
@@ -72,21 +81,19 @@ class DecoderComponent(Component):
                 store.put_raw(0, rows)
             x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
             logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n)
-        except BaseException:
-            self.sequences.pop(message.request_id)  # a failed prefill keeps no sequence and no pages
-            raise
         self.counters.update(prefills=1, replayed_layer_tokens=seq.counters.replayed_layer_tokens,
                              decoder_layer_tokens=seq.counters.decoder_layer_tokens)
         return self._answer(message.request_id, seq, logits.unsqueeze(0), None)
 
     def _step(self, message: m.DecoderStep, frames: list[memoryview]):
         rid = message.request_id
-        seq = self._allocate(rid, message.capacity) if message.capacity else self.sequences.get(rid)
-        if message.start != seq.cache.length:
-            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"step at position {message.start}, but the "
-                                 f"sequence holds {seq.cache.length} positions")
-        x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
-        logits, hidden = self.core.decode_streams(seq, x, pre_mix, message.start)
+        with self._new_sequence(rid, message.capacity) if message.capacity else nullcontext(
+                self.sequences.get(rid)) as seq:  # a new sequence when a `full` prefill's first chunk comes
+            if message.start != seq.cache.length:
+                raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"step at position {message.start}, but the "
+                                     f"sequence holds {seq.cache.length} positions")
+            x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
+            logits, hidden = self.core.decode_streams(seq, x, pre_mix, message.start)
         self.counters.update(step_tokens=x.size(1), decoder_layer_tokens=x.size(1) * len(self.core.decoder))
         return self._answer(rid, seq, logits, hidden)
 

@@ -51,6 +51,9 @@ class Sequence:
     counters: Counters = field(default_factory=Counters)
     snapshots: dict[int, bytes] = field(default_factory=dict)  # encoder SWA rings by position, to pool
 
+    def count_pages(self) -> None:
+        self.counters.pages_in_use = self.cache.pages_in_use()
+
 
 class PrefetchedRows(Mapping):
     """Engram rows by table index, fetched when the first Engram layer asks (so the fetch overlaps
@@ -211,7 +214,7 @@ class InferenceCore:
         x = torch.cat([k[0] for k in kept if k is not None], dim=1)
         pre_mix = torch.cat([k[1] for k in kept if k is not None], dim=1)
         seq.cache.length = n
-        seq.counters.pages_in_use = seq.cache.pages_in_use()
+        seq.count_pages()
         return x, pre_mix, starts
 
     def decoder_replay(self, seq: Sequence, x: torch.Tensor, pre_mix: torch.Tensor, starts: list[int],
@@ -227,7 +230,7 @@ class InferenceCore:
             seq.counters.decoder_layer_tokens += n - start
             seq.counters.replayed_layer_tokens += n - start
         seq.cache.length = n
-        seq.counters.pages_in_use = seq.cache.pages_in_use()
+        seq.count_pages()
         return self.model.finish(x[:, -1:], pre_mix[:, -1:])[1][0, -1]
 
     def _encode(self, seq: Sequence, tokens: torch.Tensor, start: int, end: int, keep_from: int,
@@ -289,11 +292,12 @@ class InferenceCore:
     def encode_tokens_batch(self, seqs: list[Sequence], tokens: list[list[int]],
                             fetch_rows: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode_tokens` for several sequences: their streams concatenated along the sequence axis."""
+        for seq, ids in zip(seqs, tokens, strict=True):  # pages first: a full pool changes nothing
+            self._check_step(seq, ids)
+            seq.cache.reserve(seq.cache.length + len(ids), self.encoder_ids)
         parts, xs, pre_mixes, rows = [], [], [], []
         for seq, ids, fetch in zip(seqs, tokens, fetch_rows or [None] * len(seqs), strict=True):
-            self._check_step(seq, ids)
             cache, start = seq.cache, seq.cache.length
-            cache.reserve(start + len(ids), self.encoder_ids)
             x, pre_mix, row_ids, _ = self.model.begin(torch.tensor([ids]), start, cache)
             xs.append(x)
             pre_mixes.append(pre_mix)
@@ -306,7 +310,7 @@ class InferenceCore:
         for seq, ids in zip(seqs, tokens, strict=True):
             seq.counters.encoder_layer_tokens += len(ids) * len(self.encoder)
             seq.cache.length += len(ids)
-            seq.counters.pages_in_use = seq.cache.pages_in_use()
+            seq.count_pages()
         return x, pre_mix
 
     def _check_step(self, seq: Sequence, ids: list[int]) -> None:
@@ -332,11 +336,11 @@ class InferenceCore:
     def decode_streams_batch(self, seqs: list[Sequence], x: torch.Tensor, pre_mix: torch.Tensor, starts: list[int],
                              sizes: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`decode_streams` for several sequences whose streams are concatenated (sizes[i] each)."""
-        parts = []
-        for seq, start, size in zip(seqs, starts, sizes, strict=True):
+        for seq, start, size in zip(seqs, starts, sizes, strict=True):  # pages first: a full pool changes nothing
             self.model.check_span(start, size, seq.cache)
             seq.cache.reserve(start + size, self.decoder_ids)
-            parts.append(SharedAttention(start=start, cache=seq.cache, scored=seq.counters.indexer_scored))
+        parts = [SharedAttention(start=start, cache=seq.cache, scored=seq.counters.indexer_scored)
+                 for seq, start in zip(seqs, starts, strict=True)]
         targets: list[torch.Tensor] = []
         shared = _shared(parts, sizes)
         for layer in self.decoder:
@@ -344,7 +348,7 @@ class InferenceCore:
         for seq, start, size in zip(seqs, starts, sizes, strict=True):
             seq.counters.decoder_layer_tokens += size * len(self.decoder)
             seq.cache.length = start + size
-            seq.counters.pages_in_use = seq.cache.pages_in_use()
+            seq.count_pages()
         logits = self.model.finish(x, pre_mix)[1][0]
         return list(logits.split(sizes)), list(torch.cat(targets, dim=-1)[0].split(sizes))
 
@@ -358,13 +362,13 @@ class InferenceCore:
     @torch.inference_mode()
     def rollback(seq: Sequence, saved) -> None:
         restore(seq.cache, saved)
-        seq.counters.pages_in_use = seq.cache.pages_in_use()
+        seq.count_pages()
 
     @staticmethod
     def release(seq: Sequence) -> None:
         """The sequence has ended: its global KV pages go back to the pool."""
         seq.cache.release()
-        seq.counters.pages_in_use = 0
+        seq.count_pages()
 
     @property
     def pages_in_use(self) -> int:
