@@ -28,7 +28,16 @@ NOT_COMPARED = {
     "dspark.": "DSpark is not built yet",
     ".mtp": "DSpark rings: DSpark is not built yet",
 }
-LOGITS_LAST_TOLERANCE = 1e-5  # the official head ran with M = 1 for this one; fp32 blocking differs
+# The tolerance policy (docs/parity.md). Integer, bool and quantized tensors (codes, scales, values
+# on a quantization grid: the caches) must be exact. Other float tensors come from fp32 sums whose
+# order the CPU's BLAS and vector kernels choose by vendor and instruction set; a few-ulp fp32
+# difference that crosses a bf16 rounding boundary moves an activation by one bf16 ulp (2^-8 of
+# its value) and later layers carry it on. They pass within FLOAT_TOLERANCE of the tensor's largest
+# magnitude: four bf16 ulps at that scale, about four times the worst difference measured across
+# the instruction sets the suite runs (0.0036 of the scale).
+FLOAT_TOLERANCE = 2.0**-6
+# Recorded float tensors that hold quantized values: compared exactly.
+QUANTIZED = re.compile(r"(_q|_scale|_packed|_qdq)$|window_kv_cache|compress_kv_cache|index_k_cache")
 
 
 @dataclass
@@ -40,6 +49,7 @@ class Row:
     max_abs: float
     max_ulp: int
     note: str = ""
+    rel: float = 0.0  # max |difference| / max |official value|
 
 
 def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +59,9 @@ def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -(bits & (2 ** (8 * t.element_size() - 1) - 1)), bits)
 
 
-def compare(group: str, name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float = 0.0) -> Row:
+def compare(group: str, name: str, got: torch.Tensor, want: torch.Tensor) -> Row:
+    """got against want under the tolerance policy: exact for discrete and quantized tensors,
+    within FLOAT_TOLERANCE of want's scale for other floats."""
     if got.numel() != want.numel():
         return Row(group, name, False, False, float("inf"), 0, f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
     got = got.reshape(want.shape)
@@ -66,7 +78,45 @@ def compare(group: str, name: str, got: torch.Tensor, want: torch.Tensor, tolera
     if want.dtype in (torch.float32, torch.bfloat16) and diff.numel():
         finite = got.isfinite() & want.isfinite()
         ulp = int(torch.where(finite, (_ordered_bits(got) - _ordered_bits(want)).abs(), 0).max())
-    return Row(group, name, exact, exact or max_abs <= tolerance, max_abs, ulp)
+    finite_want = want.float()[want.float().isfinite()]
+    scale = float(finite_want.abs().max()) if finite_want.numel() else 0.0
+    rel = max_abs / scale if scale else (0.0 if max_abs == 0 else float("inf"))
+    within = not QUANTIZED.search(name) and rel <= FLOAT_TOLERANCE
+    return Row(group, name, exact, exact or within, max_abs, ulp, rel=rel)
+
+
+def note_flips(row: Row, got: torch.Tensor, want: torch.Tensor, margins: torch.Tensor, scale: float) -> Row:
+    """A choice (argmax, expert, entry) that differs is said so, with how close a call it was:
+    `margins` holds, per row of choices, the gap that decided it. A gap within the float policy's
+    reach of the scores is a near tie: a legitimate few-ulp difference can flip it, and everything
+    computed from it then differs too. `scale` is the magnitude of the scores the gaps are in."""
+    if row.exact or got.numel() != want.numel():
+        return row
+    rows = (got.reshape(want.shape) != want).reshape(want.size(0), -1).any(-1)
+    gaps = margins.reshape(want.size(0), -1).amin(-1)[rows]
+    near = float(gaps.min()) <= FLOAT_TOLERANCE * scale
+    row.note = (f"choice flipped at {int(rows.sum())} of {want.size(0)} rows; smallest deciding gap there "
+                f"{float(gaps.min()):.3g}" + (" (a near tie)" if near else " (not a near tie)"))
+    return row
+
+
+def _router_flips(row: Row, io: dict, prefix: str, mine: torch.Tensor) -> Row:
+    """Expert choices that differ, told with the official router's boundary margin at those tokens
+    (router scores are of order one, so the margin is compared with FLOAT_TOLERANCE as it is)."""
+    margins = io.get(f"{prefix}.router_boundary_margin")
+    if not row.name.endswith("gate_indices") or margins is None:
+        return row
+    want = io[f"{prefix}.gate_indices"]
+    steps = row.note
+    row = note_flips(row, mine.reshape(-1, want.size(-1)), want.reshape(-1, want.size(-1)), margins.reshape(-1), 1.0)
+    row.note = f"{steps} {row.note}".strip() if steps != row.note else row.note
+    return row
+
+
+def top2_gap(scores: torch.Tensor) -> torch.Tensor:
+    """Per row, the gap between the best and second-best score: how close an argmax was."""
+    top = scores.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
 
 
 def _pad(t: torch.Tensor, width: int, value) -> torch.Tensor:
@@ -203,7 +253,8 @@ def _mark_expected_divergence(rows: list[Row], positions: list[int], ratios: lis
     for row in rows:
         if row.exact:
             continue
-        steps = [int(x) for x in re.findall(r"\d+", row.note)] if row.note.startswith("steps") else None
+        listed = re.match(r"steps \[([\d, ]*)\]", row.note)
+        steps = [int(x) for x in re.findall(r"\d+", listed.group(1))] if listed else None
         if steps is None or min(steps) >= first:
             row.passed = True
             row.note = f"expected divergence from step {first} (SPEC.md §17) {row.note}".strip()
@@ -241,8 +292,11 @@ def _prefill_rows(golden: Golden, trace: Trace, out, cand: int) -> list[Row]:
             continue
         mine = _mine(trace, layer, name)
         want = io[f"prefill.layer{layer}.{name}"]
-        rows.append(compare("prefill.layers", f"layer{layer}.{name}", mine, want) if mine is not None else
-                    Row("prefill.layers", f"layer{layer}.{name}", False, False, float("nan"), 0, "not produced"))
+        if mine is None:
+            rows.append(Row("prefill.layers", f"layer{layer}.{name}", False, False, float("nan"), 0, "not produced"))
+            continue
+        rows.append(_router_flips(compare("prefill.layers", f"layer{layer}.{name}", mine, want), io,
+                                  f"prefill.layer{layer}", mine))
     top = {
         "engram_hash_ids": trace["engram_hash_ids"],
         "candidate_mask": trace[f"layer{cand}.candidates"],
@@ -252,10 +306,13 @@ def _prefill_rows(golden: Golden, trace: Trace, out, cand: int) -> list[Row]:
     }
     rows += [compare("prefill.model", name, value, io[f"prefill.{name}"]) for name, value in top.items()]
     rows.append(compare("prefill.logits", "logits_all", out.logits, io["prefill.logits_all"]))
-    rows.append(compare("prefill.logits", "logits_last", out.logits[:, -1], io["prefill.logits_last"],
-                        LOGITS_LAST_TOLERANCE))
-    rows.append(compare("prefill.logits", "argmax_all", out.logits.argmax(-1), io["prefill.argmax_all"]))
-    rows.append(compare("prefill.logits", "output_ids", out.logits[:, -1].argmax(-1), io["prefill.output_ids"]))
+    rows.append(compare("prefill.logits", "logits_last", out.logits[:, -1], io["prefill.logits_last"]))
+    scale = float(out.logits.abs().max())
+    rows.append(note_flips(compare("prefill.logits", "argmax_all", out.logits.argmax(-1), io["prefill.argmax_all"]),
+                           out.logits.argmax(-1)[0], io["prefill.argmax_all"][0], top2_gap(out.logits[0]), scale))
+    rows.append(note_flips(compare("prefill.logits", "output_ids", out.logits[:, -1].argmax(-1),
+                                   io["prefill.output_ids"]),
+                           out.logits[:, -1].argmax(-1), io["prefill.output_ids"], top2_gap(out.logits[:, -1]), scale))
     return rows
 
 
@@ -274,7 +331,8 @@ def _decode_rows(golden: Golden, steps: list, cand: int) -> list[Row]:
         want = io[f"decode.layer{layer}.{name}"]
         pad = -torch.inf if name == "index_score" else None
         mine = _stack_steps([_mine(trace, layer, name) for trace, _ in steps], want, pad)
-        rows.append(_first_bad_step(compare("decode.layers", f"layer{layer}.{name}", mine, want), mine, want))
+        row = _first_bad_step(compare("decode.layers", f"layer{layer}.{name}", mine, want), mine, want)
+        rows.append(_router_flips(row, io, f"decode.layer{layer}", mine))
     model_level = {
         "engram_hash_ids": ([trace["engram_hash_ids"] for trace, _ in steps], None),
         "candidate_mask": ([trace[f"layer{cand}.candidates"] for trace, _ in steps], False),
@@ -288,13 +346,16 @@ def _decode_rows(golden: Golden, steps: list, cand: int) -> list[Row]:
     logits = torch.stack([out.logits[0, -1] for _, out in steps])
     rows.append(_first_bad_step(compare("decode.logits", "logits", logits, io["decode.logits"]), logits,
                                 io["decode.logits"]))
-    rows.append(compare("decode.logits", "argmax", logits.argmax(-1), io["decode.argmax"]))
+    rows.append(note_flips(compare("decode.logits", "argmax", logits.argmax(-1), io["decode.argmax"]),
+                           logits.argmax(-1), io["decode.argmax"], top2_gap(logits), float(logits.abs().max())))
     return rows
 
 
 def _first_bad_step(row: Row, mine: torch.Tensor, want: torch.Tensor) -> Row:
+    """Notes the decode steps that fail the policy, or if none does, those not bit-exact."""
     if not row.exact and mine.shape == want.shape:
-        bad = [s for s in range(want.size(0)) if not torch.equal(mine[s], want[s])]
+        failing = [s for s in range(want.size(0)) if not compare(row.group, row.name, mine[s], want[s]).passed]
+        bad = failing or [s for s in range(want.size(0)) if not torch.equal(mine[s], want[s])]
         row.note = f"steps {bad}"
     return row
 
@@ -329,16 +390,19 @@ def not_compared(folder: str | Path) -> list[str]:
 
 
 def report(rows: list[Row]) -> str:
-    """One line per group: tensors, exact matches, worst differences, first failing tensor."""
+    """One line per group: tensors, exact matches, passes, worst differences (absolute, relative to
+    the tensor's scale, in ulps), first tensor that is not bit-exact."""
     groups: dict[str, list[Row]] = {}
     for row in rows:
         groups.setdefault(row.group, []).append(row)
-    head = f"{'group':<22} {'tensors':>7} {'exact':>6} {'passed':>6} {'max abs':>10} {'max ulp':>8}  first mismatch"
+    head = (f"{'group':<22} {'tensors':>7} {'exact':>6} {'passed':>6} {'max abs':>10} {'max rel':>9} {'max ulp':>8}"
+            "  first mismatch")
     lines = [head, "-" * len(head)]
     for group, members in groups.items():
         first = next((f"{r.name} {r.note}".strip() for r in members if not r.exact), "-")
         max_abs = max(r.max_abs for r in members)
         exact, passed = sum(r.exact for r in members), sum(r.passed for r in members)
-        max_ulp = max(r.max_ulp for r in members)
-        lines.append(f"{group:<22} {len(members):>7} {exact:>6} {passed:>6} {max_abs:>10.3g} {max_ulp:>8}  {first}")
+        max_ulp, max_rel = max(r.max_ulp for r in members), max(r.rel for r in members)
+        lines.append(f"{group:<22} {len(members):>7} {exact:>6} {passed:>6} {max_abs:>10.3g} {max_rel:>9.2g} "
+                     f"{max_ulp:>8}  {first}")
     return "\n".join(lines)

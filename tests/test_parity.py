@@ -1,12 +1,22 @@
-"""dsv41 against the official implementation's recorded outputs on the golden checkpoint."""
+"""dsv41 against the official implementation's recorded outputs on the golden checkpoint, under the
+tolerance policy of docs/parity.md, on this CPU and under other instruction sets."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dsv41.cli.main import cli
-from dsv41.parity import run_parity
+from dsv41.parity import FLOAT_TOLERANCE, compare, note_flips, run_parity, top2_gap
 
 from .conftest import GOLDEN
+
+DISCRETE_OR_QUANTIZED = ("gate_indices", "topk", "candidate_mask", "hash_ids", "argmax", "output_ids", "token_map",
+                         "window_kv_cache", "compress_kv_cache", "index_k_cache")
 
 
 @pytest.fixture(scope="module")
@@ -14,19 +24,14 @@ def official_rows():
     return run_parity(GOLDEN, "official")
 
 
-@pytest.mark.parametrize("group", ["units", "engram", "prefill.layers", "prefill.model", "cache_after_prefill",
-                                   "decode.layers", "decode.model", "decode.logits", "cache_after_decode"])
-def test_group_is_bit_exact(official_rows, group):
+@pytest.mark.parametrize("group", ["units", "engram", "prefill.layers", "prefill.model", "prefill.logits",
+                                   "cache_after_prefill", "decode.layers", "decode.model", "decode.logits",
+                                   "cache_after_decode"])
+def test_group_passes_and_every_choice_and_quantized_value_is_exact(official_rows, group):
     rows = [r for r in official_rows if r.group == group]
     assert rows, f"nothing compared in {group}"
-    assert [f"{r.name} {r.note}" for r in rows if not r.exact] == []
-
-
-def test_prefill_logits_bit_exact_and_last_row_within_head_blocking(official_rows):
-    rows = {r.name: r for r in official_rows if r.group == "prefill.logits"}
-    assert rows["logits_all"].exact and rows["argmax_all"].exact and rows["output_ids"].exact
-    # The official last-position logits came from a head GEMM with M = 1 (different fp32 blocking).
-    assert rows["logits_last"].passed and rows["logits_last"].max_abs <= 1e-5
+    assert [f"{r.name} {r.note}" for r in rows if not r.passed] == []
+    assert [r.name for r in rows if any(k in r.name for k in DISCRETE_OR_QUANTIZED) and not r.exact] == []
 
 
 def test_every_layer_and_decode_step_is_compared(official_rows):
@@ -37,26 +42,81 @@ def test_every_layer_and_decode_step_is_compared(official_rows):
     assert len([r for r in official_rows if r.group == "decode.layers"]) == 68
 
 
+def test_policy_integers_and_quantized_values_exact_floats_within_scale(rng):
+    want = torch.randn(64, 32, generator=rng) * 3
+    ids = torch.randint(0, 100, (64, 3), generator=rng)
+    nudged = want * (1 + FLOAT_TOLERANCE / 8)
+    assert compare("g", "out_h", nudged, want).passed and not compare("g", "out_h", nudged, want).exact
+    assert not compare("g", "out_h", want + FLOAT_TOLERANCE * 2 * want.abs().max(), want).passed
+    # the same small difference in a cache of quantized values is a failure
+    assert not compare("g", "layer2.window_kv_cache", nudged, want).passed
+    flipped = ids.clone()
+    flipped[5, 1] += 1
+    assert not compare("g", "gate_indices", flipped, ids).passed
+    assert compare("g", "gate_indices", ids.clone(), ids).exact
+
+
+def test_a_flipped_choice_is_named_with_its_gap(rng):
+    logits = torch.randn(6, 50, generator=rng)
+    best = logits.argmax(-1)
+    second = logits.topk(2, dim=-1).indices[:, 1]
+    flipped = best.clone()
+    flipped[2] = second[2]
+    row = note_flips(compare("g", "argmax", flipped, best), flipped, best, top2_gap(logits), 100.0)
+    assert not row.passed and "choice flipped at 1 of 6 rows" in row.note
+    gap = float(top2_gap(logits)[2])
+    assert f"{gap:.3g}" in row.note and "(a near tie)" in row.note  # gap <= 2^-6 * 100
+    row = note_flips(compare("g", "argmax", flipped, best), flipped, best, top2_gap(logits), 1e-3)
+    assert "(not a near tie)" in row.note
+
+
 def test_design_decode_diverges_only_from_the_first_stale_slot_step():
     rows = run_parity(GOLDEN, "design")
     assert all(r.passed for r in rows)
-    layer2 = next(r for r in rows if r.group == "decode.layers" and r.name == "layer2.index_score")
+    layer2 = next(r for r in rows if r.group == "decode.layers" and r.name == "layer2.indexer_topk")
     # positions 29, 30, ...: the ratio-2 source emits nothing at even positions (steps 1, 3, ...)
-    assert not layer2.exact and "steps [1, 3, 5, 7, 9, 11, 13, 15]" in layer2.note
-    logits = next(r for r in rows if r.name == "logits" and r.group == "decode.logits")
-    assert "expected divergence from step 1" in logits.note and "steps [1," in logits.note
+    assert not layer2.exact and "expected divergence from step 1" in layer2.note
+    steps = [int(s) for s in layer2.note.split("steps [")[1].rstrip("]").split(", ")]
+    assert steps and min(steps) >= 1
     before_decode = [r for r in rows if r.group.startswith(("prefill", "cache_after_prefill", "units"))]
-    assert [r.name for r in before_decode if not r.exact] == ["logits_last"]
+    assert all(r.passed for r in before_decode)
 
 
 def test_parity_command_prints_the_table_and_exits_zero():
     result = CliRunner().invoke(cli, ["parity", str(GOLDEN)])
     assert result.exit_code == 0, result.output
     assert "decode.logits" in result.stdout and "all 207 compared tensors pass" in result.stdout
+    assert "max rel" in result.stdout
     assert "not compared: DSpark is not built yet" in result.stdout
 
 
-def test_packed_caches_reproduce_the_official_decode_bit_for_bit():
+def test_packed_caches_reproduce_the_official_decode():
     rows = run_parity(GOLDEN, "official", packed=True)
-    assert [f"{r.group} {r.name}" for r in rows if not r.exact] == ["prefill.logits logits_last"]
-    assert all(r.passed for r in rows)
+    assert [f"{r.group} {r.name}" for r in rows if not r.passed] == []
+    assert [r.name for r in rows if any(k in r.name for k in DISCRETE_OR_QUANTIZED) and not r.exact] == []
+
+
+_SUMMARY = """
+import json
+from dsv41.parity import run_parity
+rows = run_parity({golden!r}, "official")
+print(json.dumps({{"failed": [f"{{r.group}} {{r.name}} {{r.note}}" for r in rows if not r.passed],
+                  "not_exact_choices": [r.name for r in rows if not r.exact and any(
+                      k in r.name for k in {keys!r})],
+                  "max_rel": max(r.rel for r in rows)}}))
+"""
+
+
+@pytest.mark.parametrize("setting", ["ATEN_CPU_CAPABILITY=avx2", "ATEN_CPU_CAPABILITY=default",
+                                     "MKL_ENABLE_INSTRUCTIONS=AVX2", "DNNL_MAX_CPU_ISA=AVX2"])
+def test_parity_holds_under_other_instruction_sets(setting):
+    """Forcing narrower vector code or another BLAS kernel changes fp32 summation orders, as another
+    CPU would: the policy must still hold, every choice and quantized value exact."""
+    name, value = setting.split("=")
+    env = {**os.environ, name: value}
+    code = _SUMMARY.format(golden=str(GOLDEN), keys=DISCRETE_OR_QUANTIZED)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["failed"] == [] and summary["not_exact_choices"] == []
+    assert summary["max_rel"] <= FLOAT_TOLERANCE

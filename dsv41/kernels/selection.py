@@ -1,16 +1,22 @@
-"""Top-k selection with a fixed tie policy, shared by every path (index entries and the candidate
-pool's blocks).
+"""Top-k selection of index entries and of the candidate pool's blocks.
 
-Scores are bf16, so equal scores are common at long context. The policy: higher score first;
-among equal scores the higher id (the newer entry or block) wins; -0 equals +0. That is also what
-the official implementation chose at the one tie in its golden data (two candidate blocks, decode
-step 14). It is one top-k over unique 64-bit keys (ordered score bits, then the id), so it costs a
-top-k, not a sort, and gives the same set on every backend and for every row width.
+Scores are bf16, so equal scores are common at long context, and where a tie straddles the k-th
+place the choice decides which entries are attended. Two policies:
+
+- `official_topk` (default numerics): torch's own top-k over a row shaped and valued exactly as the
+  official code's, so ties fall as they fall there (torch's CPU top-k is deterministic for a given
+  row, but which of equal scores it keeps depends on the row's width and order).
+- `topk_entries` (shape-stable numerics, and rows that are not laid out as the official code lays
+  them out): higher score first; among equal scores the higher id (the newer entry or block) wins;
+  -0 equals +0. It is one top-k over unique 64-bit keys (ordered score bits, then the id), so it
+  costs a top-k, not a sort, and gives the same set on every backend and for every row width.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dsv41.model import numerics
 
 
 def _ordered(scores: torch.Tensor) -> torch.Tensor:
@@ -24,3 +30,21 @@ def topk_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     ids = torch.arange(n, device=scores.device)
     keys = _ordered(scores) * 2**32 + ids
     return keys.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+def official_topk(scores: torch.Tensor, k: int, by_value: bool = False) -> torch.Tensor:
+    """Ids of the k best entries along the last dim, ascending, chosen by the same torch call as the
+    official code (`by_value`: the candidate-pool call, which asks for sorted values); in stable
+    numerics by the fixed policy of `topk_entries`."""
+    if numerics.is_stable():
+        return topk_entries(scores, k)
+    return scores.topk(k, dim=-1, sorted=by_value).indices.sort(dim=-1).values
+
+
+def tie_at_boundary(scores: torch.Tensor, k: int) -> bool:
+    """Whether some row's k-th and (k+1)-th best scores are equal (finite): the case where which
+    entries are kept depends on the tie policy."""
+    if scores.size(-1) <= k:
+        return False
+    best = scores.float().topk(k + 1, dim=-1).values
+    return bool(((best[..., k - 1] == best[..., k]) & best[..., k].isfinite()).any())

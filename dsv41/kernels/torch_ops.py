@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv41.kernels.layouts import index_k_format, main_kv_format, pack_rows, swa_format, unpack_rows
-from dsv41.kernels.selection import topk_entries
+from dsv41.kernels.selection import official_topk
 from dsv41.model import mhc, numerics
 
 __all__ = ["index_scores", "mhc_update", "pack_rows", "select_candidate_blocks", "sparse_attention",
@@ -61,7 +61,7 @@ def candidate_entries(
     total = block_scores.size(-1)
     newest = (visible - 1) // block_size
     block_scores = block_scores.masked_fill(torch.arange(total) == newest, torch.inf)
-    best = topk_entries(block_scores, min(n_blocks, total))  # equal block scores: the newer block wins
+    best = official_topk(block_scores, min(n_blocks, total), by_value=True)
     chosen = (block_scores.gather(-1, best) > -torch.inf).repeat_interleave(block_size, dim=-1)
     ids = (best.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten(-2)
     return torch.where(chosen & (ids < width), ids, -1)

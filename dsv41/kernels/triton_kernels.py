@@ -44,7 +44,8 @@ def _round_bf16(x):
 
 @triton.jit
 def _e4m3_encode(x):
-    """fp32 -> E4M3 code (int32), saturating at ±448, round-to-nearest-even."""
+    """fp32 -> E4M3 code (int32), saturating at ±448 (±inf too), round-to-nearest-even; NaN -> 0x7F
+    with its sign, as the torch codec (checked explicitly: min/max of a NaN differ by backend)."""
     sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
     a = tl.minimum(tl.abs(x), 448.0)
     bits = a.to(tl.int32, bitcast=True)
@@ -59,7 +60,7 @@ def _e4m3_encode(x):
     frac = q - whole
     sub = whole.to(tl.int32) + ((frac > 0.5) | ((frac == 0.5) & ((whole.to(tl.int32) & 1) == 1))).to(tl.int32)
     code = tl.where(exponent < -6, sub, normal)
-    return code | (sign << 7)
+    return tl.where(x != x, 0x7F, code) | (sign << 7)
 
 
 @triton.jit
@@ -73,12 +74,13 @@ def _e4m3_decode(code):
 
 @triton.jit
 def _e2m1_encode(v):
-    """fp32 in [-6, 6] -> 4-bit code (int32); ties go to the even code."""
+    """fp32 -> 4-bit code (int32); ties go to the even code, beyond ±6 (±inf too) saturates, NaN
+    -> 0x8 as the torch codec (E2M1 has no NaN)."""
     a = tl.abs(v)
     code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
             + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
     sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-    return code | (sign << 3)
+    return tl.where(v != v, 8, code | (sign << 3))
 
 
 @triton.jit
@@ -92,15 +94,22 @@ def _e2m1_decode(code):
 
 @triton.jit
 def _e8m0_decode(code):
-    return (code.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    """2^(code - 127); code 0 is 2^-127 (an fp32 subnormal, not a shifted 0), 0xFF NaN."""
+    code = code.to(tl.int32)
+    bits = tl.where(code == 0, 0x400000, code << 23)
+    return tl.where(code == 0xFF, 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _pow2_scale_up(amax, inv_max):
-    """(2^ceil(log2(amax * inv_max)), its E8M0 code)."""
+    """(2^ceil(log2(amax * inv_max)), its E8M0 code) for a finite amax >= 0, clamped to codes
+    0..254 like the torch codec: a subnormal ratio rounds up to 2^-127 or 2^-126 by its value."""
     bits = (amax * inv_max).to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (exponent << 23).to(tl.float32, bitcast=True), exponent
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    bump = tl.where(exponent == 0, mantissa > 0x400000, mantissa != 0).to(tl.int32)
+    code = tl.minimum(exponent + bump, 254)
+    return _e8m0_decode(code), code
 
 
 @triton.jit
@@ -109,7 +118,8 @@ def _pack_rows_kernel(x_ptr, out_ptr, DIM: tl.constexpr, BLOCK: tl.constexpr, FP
     row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * DIM + tl.arange(0, DIM)).to(tl.float32)
     groups = tl.reshape(x, (DIM // BLOCK, BLOCK))
-    amax = tl.max(tl.abs(groups), axis=1)
+    magnitude = tl.abs(groups)
+    amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)  # NaN/inf: not the scale
     out = out_ptr + row * ENTRY
     if FP4:
         if E4M3_SCALE:
@@ -117,13 +127,13 @@ def _pack_rows_kernel(x_ptr, out_ptr, DIM: tl.constexpr, BLOCK: tl.constexpr, FP
             scale = _e4m3_decode(scale_code)
         else:
             scale, scale_code = _pow2_scale_up(tl.maximum(amax, 6 * 2.0**-126), 1.0 / 6.0)
-        scaled = tl.minimum(tl.maximum(groups / scale[:, None], -6.0), 6.0)
-        codes = tl.reshape(_e2m1_encode(scaled), (DIM // 2, 2))
+        codes = tl.reshape(_e2m1_encode(groups / scale[:, None]), (DIM // 2, 2))  # the encode saturates
         low, high = tl.split(codes)
         tl.store(out + tl.arange(0, DIM // 2), (low | (high << 4)).to(tl.uint8))
     else:
         scale, scale_code = _pow2_scale_up(tl.maximum(amax, 1e-4), 1.0 / 448.0)
-        codes = _e4m3_encode(groups / scale[:, None])
+        # a NaN element is passed on itself: a GPU division may return a NaN without its sign
+        codes = _e4m3_encode(tl.where(groups != groups, groups, groups / scale[:, None]))
         tl.store(out + tl.arange(0, DIM), tl.reshape(codes, (DIM,)).to(tl.uint8))
     tl.store(out + CODE_BYTES + tl.arange(0, DIM // BLOCK), scale_code.to(tl.uint8))
 
@@ -199,7 +209,7 @@ def _sparse_attention_decode_kernel(q_ptr, ring_ptr, slots_ptr, main_ptr, topk_p
     tl.store(out_ptr + b * H * D + heads[:, None] * D + tl.arange(0, D)[None, :], out, mask=heads[:, None] < H)
 
 
-def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float, block_n: int = 16) -> torch.Tensor:
+def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float, block_n: int = 64) -> torch.Tensor:
     """q [b, h, d] bf16; ring [b, W, swa bytes] with slots [b, W] (-1 unused); main [b, n, main bytes]
     with topk [b, k] entry ids (-1 unused); sink [h] fp32 -> out [b, h, d] bf16. A main expanded over
     the batch (stride 0: every sequence's pages in one shared pool) is read in place, not copied."""
@@ -316,9 +326,9 @@ def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float
     tokens = x.numel() // (hc * d)
     y = torch.empty_like(x)
     collapsed = torch.empty(*lead, d, dtype=x.dtype, device=x.device)
-    pre_n = torch.empty(*lead, hc, device=x.device)
-    post_n = torch.empty(*lead, hc, device=x.device)
-    comb_n = torch.empty(*lead, hc, hc, device=x.device)
+    pre_n = torch.empty(*lead, hc, dtype=torch.float32, device=x.device)
+    post_n = torch.empty(*lead, hc, dtype=torch.float32, device=x.device)
+    comb_n = torch.empty(*lead, hc, hc, dtype=torch.float32, device=x.device)
     chunk = min(d, 64)
     if d % chunk:
         raise ValueError(f"hidden size {d} must be a multiple of {chunk}")

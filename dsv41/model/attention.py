@@ -16,7 +16,7 @@ from torch import nn
 
 from dsv41.config import LayerSpec, Mode, TextConfig
 from dsv41.kernels import dispatch
-from dsv41.kernels.selection import topk_entries
+from dsv41.kernels.selection import official_topk, tie_at_boundary, topk_entries
 from dsv41.kernels.torch_ops import candidate_entries, pool_mask, sparse_attention
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
@@ -68,10 +68,17 @@ class SharedBatch:
                 and all(c.packed and c.pools is caches[0].pools for c in caches))
 
 
-# Index tables have a fixed width (W window columns, index_topk entry columns) and list each row's
-# valid indices first: a query's attention then does not depend on how long the sequence or the
-# chunk it came in is. Where the official code's tables are narrower (fewer tokens than W or k)
-# or pad in front, its rows hold the same valid indices in the same order.
+# Index table layout. Attention walks a row's indices in chunks of 64 and rounds each chunk's
+# probabilities to bf16 against the running max, so where a row's valid indices sit decides which
+# chunk they fall in and changes the result in the last bits once a row holds more than 64 of them.
+# By default the tables are laid out as the official code lays them out, so that outputs match it:
+# a forward from position 0 lists each row's valid window positions first in a table
+# min(s, W) wide, followed by min(k, entries) entry columns; a one-token decode step lists the
+# whole ring oldest slot first, the slots not yet written (-1) in front, followed by its
+# min(k, entries) entries. In shape-stable numerics every table has a fixed width (W window
+# columns, k entry columns) with each row's valid indices first, so a query's attention does not
+# depend on the length of the forward it came in: chunked prefill, replay, verification and the
+# oracle then agree exactly.
 
 
 def window_indices(seq_len: int, window: int) -> torch.Tensor:
@@ -82,10 +89,20 @@ def window_indices(seq_len: int, window: int) -> torch.Tensor:
 
 
 def ring_indices(position: int, window: int) -> torch.Tensor:
-    """[1, window] ring slots a decode query at `position` sees, oldest first, then -1."""
+    """[1, window] ring slots a decode query at `position` sees, oldest first; slots not yet written
+    are -1, in front as the official code has them (after the valid ones in stable numerics)."""
     oldest = position % window + 1
     idx = torch.cat([torch.arange(oldest, window), torch.arange(oldest)])
-    return valid_first(torch.where(idx > position, -1, idx).unsqueeze(0))
+    idx = torch.where(idx > position, -1, idx).unsqueeze(0)
+    return valid_first(idx) if numerics.is_stable() else idx
+
+
+def official_width(idx: torch.Tensor) -> torch.Tensor:
+    """A valid-first index table cut to the columns some row uses (the official code's tables are
+    that wide); unchanged in stable numerics, whose tables keep a fixed width."""
+    if numerics.is_stable():
+        return idx
+    return idx[..., : int((idx >= 0).sum(-1).max())] if idx.numel() else idx
 
 
 def visible_entries(seq_len: int, ratio: int, start: int = 0) -> torch.Tensor:
@@ -241,6 +258,7 @@ class Attention(nn.Module):
             _record(shared, self.spec.layer_id, "compress_topk_idxs",
                     torch.where(entry_idx >= 0, entry_idx + kv.size(1), -1))
             entries, local_idx = self._entries(entry_idx, shared)
+            local_idx = official_width(local_idx)
             idx = torch.cat([idx, torch.where(local_idx >= 0, local_idx + kv.size(1), -1)], dim=-1)
             kv = torch.cat([kv, entries], dim=1)
         return sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)
@@ -264,7 +282,7 @@ class Attention(nn.Module):
         b = len(parts)
         if self.spec.ratio:
             main = parts[0].cache.groups[self.spec.kv_owner].main_kv.pool.rows.expand(b, -1, -1)
-            entry_idx = torch.cat(entries)
+            entry_idx = official_width(torch.cat(entries))
         else:
             entry_idx = torch.empty(b, 0, dtype=torch.int32)
             main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
@@ -280,7 +298,7 @@ class Attention(nn.Module):
             if cache is not None:
                 kept = torch.arange(max(0, s - self.window), s)
                 cache.windows[self.spec.layer_id].write(kept % self.window, kv[:, kept])
-            return fp8_qdq(kv), window_indices(s, self.window).int().expand(b, -1, -1)
+            return fp8_qdq(kv), official_width(window_indices(s, self.window)).int().expand(b, -1, -1)
         ring = cache.windows[self.spec.layer_id]
         if s == 1:
             ring.write(slice(start % self.window, start % self.window + 1), kv)
@@ -406,7 +424,15 @@ class Attention(nn.Module):
         scores = dispatch.index_scores(q[:, 0], weights[:, 0], store.pool.rows, store.physical(ids))
         if shared.scored is not None:
             self._count_scored(scores, shared)
-        picked = ids.gather(-1, topk_entries(scores.masked_fill(ids < 0, -torch.inf), k))  # ids ascend: same ties
+        scores = scores.masked_fill(ids < 0, -torch.inf)
+        if not numerics.is_stable() and tie_at_boundary(scores, k):
+            # the official top-k runs over the full-width row, and which tied entry it keeps
+            # depends on that row: rebuild it (entries outside the pool at -inf) and rank it
+            row = torch.full((x.size(0), total + 1), -torch.inf, dtype=scores.dtype)
+            row = row.scatter(-1, torch.where(ids >= 0, ids, total).long(), scores)[:, :total]
+            picked = official_topk(row, k)
+        else:
+            picked = ids.gather(-1, topk_entries(scores, k))  # ids ascend: the fixed policy's ties
         return F.pad(picked, (0, self.indexer.topk - k), value=-1).unsqueeze(1).int()
 
     def _count_scored(self, scores: torch.Tensor, shared: SharedAttention) -> None:
@@ -445,7 +471,7 @@ class Attention(nn.Module):
             pool = shared.candidates[:, shared.start - shared.rows_start[shared.candidate_source] :]
             scores = scores.masked_fill(~pool_mask(pool, total), -torch.inf)
         _record(shared, spec.layer_id, "index_score", scores)
-        picked = topk_entries(scores, min(self.indexer.topk, total))
+        picked = official_topk(scores, min(self.indexer.topk, total))
         picked = torch.where(picked < visible, picked, -1)
         return valid_first(F.pad(picked, (0, self.indexer.topk - picked.size(-1)), value=-1)).int()
 

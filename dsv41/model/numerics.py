@@ -34,6 +34,11 @@ def stable_numerics(on: bool = True) -> Iterator[None]:
         _stable = previous
 
 
+def is_stable() -> bool:
+    """Whether shape-stable numerics are on (callers that lay out work by shape ask this)."""
+    return _stable
+
+
 def wide(t: torch.Tensor) -> torch.Tensor:
     """The tensor to accumulate a reduction in: itself, or float64 in stable mode."""
     return t.double() if _stable else t
