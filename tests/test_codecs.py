@@ -145,3 +145,93 @@ def test_decoding_whole_fp4_bytes_equals_decoding_each_nibble(dtype):
     got = codecs.e2m1_decode_bytes(packed, dtype)
     assert got.shape == (4, 2, 64) and got.dtype == dtype
     assert torch.equal(got.float().view(torch.int32), expected.view(torch.int32))  # -0 stays -0
+
+
+# Special values (docs/kernels.md): E8M0 by value over its whole range, clamps, NaN; scales never 0.
+
+_E8M0_VALUES = torch.exp2(torch.arange(255, dtype=torch.float64) - 127)  # code c holds 2^(c - 127)
+
+
+def _e8m0_by_definition(x: torch.Tensor, rounding: str) -> torch.Tensor:
+    """Codes chosen among the 255 E8M0 values by comparing values in float64 (exact for fp32
+    inputs): 'up' the smallest value >= x, 'down' the largest <= x, 'nearest' the closer of the
+    two (ties up); results clamp to codes 0..254."""
+    v = x.double()
+    above = torch.searchsorted(_E8M0_VALUES, v).clamp(max=254)
+    below = (torch.searchsorted(_E8M0_VALUES, v, right=True) - 1).clamp(min=0)
+    if rounding == "up":
+        code = torch.where(v > _E8M0_VALUES[-1], 254, above)
+    elif rounding == "down":
+        code = below
+    else:
+        code = torch.where(_E8M0_VALUES[above] - v <= v - _E8M0_VALUES[below], above, below)
+    return code.to(torch.uint8)
+
+
+def _from_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("rounding", ["up", "down", "nearest"])
+def test_e8m0_encode_of_every_fp32_subnormal_goes_by_its_value(rounding):
+    """All 2^23 subnormals and +0: only codes 0 (2^-127) and 1 (2^-126) are near them."""
+    x = _from_bits(torch.arange(2**23, dtype=torch.int32))
+    got = codecs.e8m0_encode(x, rounding)
+    assert torch.equal(got, _e8m0_by_definition(x, rounding))
+    # the boundaries by hand: 2^-127 is code 0 itself; 'nearest' goes up from 1.5 * 2^-127
+    edges = _from_bits(torch.tensor([0x400000, 0x400001, 0x5FFFFF, 0x600000]))
+    want = {"up": [0, 1, 1, 1], "down": [0, 0, 0, 0], "nearest": [0, 0, 0, 1]}[rounding]
+    assert codecs.e8m0_encode(edges, rounding).tolist() == want
+
+
+@pytest.mark.parametrize("rounding", ["up", "down", "nearest"])
+def test_e8m0_encode_of_every_exponent_matches_the_definition(rng, rounding):
+    """Every fp32 exponent field 1..254, with the mantissas at the rounding edges and random ones."""
+    exponents = torch.arange(1, 255, dtype=torch.int32).repeat_interleave(12)
+    edges = torch.tensor([0, 1, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFF], dtype=torch.int32).repeat(254)
+    random = torch.randint(0, 2**23, (254 * 6,), generator=rng, dtype=torch.int32)
+    mantissas = torch.stack([edges.view(254, 6), random.view(254, 6)], dim=1).flatten()
+    x = _from_bits((exponents << 23) | mantissas)
+    assert torch.equal(codecs.e8m0_encode(x, rounding), _e8m0_by_definition(x, rounding))
+
+
+def test_e8m0_clamps_to_its_range_and_refuses_what_is_no_scale(rng):
+    tiny = torch.rand(50, generator=rng) * 2.0**-128  # below 2^-127, subnormal
+    huge = (1 + torch.rand(50, generator=rng)) * 2.0**127  # above 2^127, finite
+    for rounding in ("up", "down", "nearest"):
+        assert codecs.e8m0_encode(tiny, rounding).eq(0).all()
+        assert codecs.e8m0_encode(torch.tensor([0.0, -0.0]), rounding).tolist() == [0, 0]
+        assert codecs.e8m0_encode(huge, rounding).eq(254).all()
+        bad = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, -1e-30, -3.0])
+        assert codecs.e8m0_encode(bad, rounding).eq(0xFF).all()
+    smallest = codecs.e8m0_decode(torch.tensor([0], dtype=torch.uint8))
+    assert smallest.view(torch.int32).tolist() == [0x400000]  # 2^-127 exactly, not 0
+
+
+def test_pow2_scale_up_is_an_e8m0_value_for_every_amax(rng):
+    """2^ceil(log2(amax * fp32(1/max))) clamped to [2^-127, 2^127]: never 0 (a zero amax gives
+    2^-127) and never inf; NaN stays NaN. Inputs over the whole fp32 range, subnormals included."""
+    bits = torch.randint(0, 0x7F800000, (20000,), generator=rng, dtype=torch.int32)
+    amax = torch.cat([_from_bits(bits), torch.tensor([0.0, 3.4028234663852886e38])])
+    for max_value in (448.0, 6.0):
+        ratio = amax * torch.tensor(1.0 / max_value, dtype=torch.float32)
+        want = _E8M0_VALUES[_e8m0_by_definition(ratio, "up").long()].float()
+        got = codecs.pow2_scale_up(amax, max_value)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert (got > 0).all() and got.isfinite().all()
+    assert codecs.pow2_scale_up(torch.tensor([math.nan]), 448.0).isnan().all()
+
+
+def test_ocp_scale_floors_from_the_bits_and_stays_in_the_e8m0_range(rng):
+    below_powers = _from_bits(torch.arange(-120, 120, dtype=torch.int32).add(127).mul(2**23) - 1)
+    want = torch.exp2(torch.arange(-121, 119, dtype=torch.float64) - 2).clamp(2.0**-127).float()
+    assert torch.equal(codecs.ocp_mx_scale(below_powers, 2), want)  # a float log2 rounds these up
+    amax = torch.rand(1000, generator=rng) * torch.exp2(torch.randint(-140, 127, (1000,), generator=rng).float())
+    floor_log2 = _e8m0_by_definition(amax, "down").long() - 127  # values below 2^-127 clamp anyway
+    assert torch.equal(codecs.ocp_mx_scale(amax, 8), torch.exp2((floor_log2 - 8).clamp(-127, 127).double()).float())
+    assert codecs.ocp_mx_scale(torch.tensor([0.0, math.inf, math.nan]), 2)[0].item() == 2.0**-127
+    assert codecs.ocp_mx_scale(torch.tensor([math.inf, math.nan]), 2).isnan().all()
+
+
+def test_main_kv_scale_is_never_zero():
+    assert codecs.e4m3_scale(torch.tensor([0.0, -0.0, 1e-30])).tolist() == [2.0**-9] * 3

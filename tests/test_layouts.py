@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -82,3 +84,31 @@ def test_unpacking_to_bf16_equals_rounding_the_fp32_values(fmt):
     nan = rounded.isnan()
     assert torch.equal(direct.isnan(), nan) and nan.any()
     assert torch.equal(direct[~nan].view(torch.int16), rounded[~nan].view(torch.int16))
+
+
+def _rows_with_special_values(rng: torch.Generator, dim: int) -> torch.Tensor:
+    """Fresh random rows with NaN (both signs) and ±inf at random places, one all-zero block of 16
+    and one all-NaN block of 32."""
+    x = torch.randn(6, dim, generator=rng) * torch.exp2(torch.randint(-10, 10, (6, 1), generator=rng).float())
+    specials = torch.tensor([math.nan, -math.nan, math.inf, -math.inf])
+    where = torch.rand(6, dim, generator=rng) < 0.05
+    x[where] = specials[torch.randint(0, 4, (int(where.sum()),), generator=rng)]
+    x[1, 16:32], x[2, 32:64] = 0.0, math.nan
+    return x.bfloat16()
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize(("fmt", "qdq"), [(main_kv_format(512), main_kv_qdq), (index_k_format(128), mxfp4_qdq),
+                                          (swa_format(512), fp8_qdq)])
+def test_packed_rows_with_special_values_unpack_to_the_fake_quantization(rng, fmt, qdq):
+    x = _rows_with_special_values(rng, fmt.dim)
+    packed = pack_rows(x, fmt)
+    assert _same_values(unpack_rows(packed, fmt), qdq(x))
+    scales = packed[..., fmt.code_bytes :]
+    decoded = codecs.e4m3_decode(scales) if fmt.e4m3_scale else codecs.e8m0_decode(scales)
+    assert decoded.isfinite().all() and (decoded > 0).all()  # no block lost to a NaN or zero scale
+    assert unpack_rows(packed, fmt)[1, 16:32].eq(0).all()

@@ -1,9 +1,12 @@
 """Number formats: hand-checked cases against the format rules, and the official unit goldens."""
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from dsv41.kernels import codecs
 from dsv41.model import quant
 from dsv41.model.layers import Linear, Storage
 
@@ -86,3 +89,94 @@ def test_weight_quantizers_round_trip_within_format_error(rng):
     packed, scale = quant.quantize_weight_fp4(w)
     back = quant.unpack_e2m1(packed) * scale.float().repeat_interleave(32, 1)
     assert packed.dtype == torch.int8 and (back - w).abs().max() <= scale.float().max()
+
+
+# Special values (docs/kernels.md): a block's scale comes from its largest finite magnitude, so a NaN
+# or ±inf element changes only itself; an all-zero block keeps the floor scale and decodes to zeros.
+
+QUANTIZERS = {"fp8": (32, quant.FP8_MAX), "mxfp4": (32, quant.FP4_MAX), "main_kv": (16, quant.FP4_MAX)}
+
+
+def _quantize(name: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dequantized values, the scale of every element) of quantizer `name`."""
+    block, _ = QUANTIZERS[name]
+    if name == "fp8":
+        _, scale = quant.fp8_quant(x)
+        return quant.fp8_qdq(x), scale.repeat_interleave(block, -1)
+    _, scale = quant.fp4_quant(x, block, e4m3_scale=name == "main_kv")
+    return quant.fp4_qdq(x, block, e4m3_scale=name == "main_kv"), scale.repeat_interleave(block, -1)
+
+
+def _random_rows(rng: torch.Generator, rows: int = 6, dim: int = 128) -> torch.Tensor:
+    """Fresh nonzero bf16 values over several magnitudes."""
+    x = torch.randn(rows, dim, generator=rng) * torch.exp2(torch.randint(-12, 12, (rows, 1), generator=rng).float())
+    return x.masked_fill(x == 0, 1.0).bfloat16()
+
+
+def _special_positions(rng: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """A few random positions, at least one per row."""
+    mask = torch.rand(shape, generator=rng) < 0.03
+    mask[torch.arange(shape[0]), torch.randint(0, shape[-1], (shape[0],), generator=rng)] = True
+    return mask
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+@pytest.mark.parametrize("special", [float("nan"), -float("nan"), float("inf"), -float("inf")],
+                         ids=["nan", "-nan", "inf", "-inf"])
+def test_a_non_finite_element_changes_only_itself(rng, name, special):
+    x = _random_rows(rng)
+    mask = _special_positions(rng, x.shape)
+    got, scale = _quantize(name, x.masked_fill(mask, special))
+    want, want_scale = _quantize(name, x.masked_fill(mask, 0.0))  # the same finite amax per block
+    assert torch.equal(scale, want_scale) and (scale > 0).all()
+    assert _bits_equal(got[~mask], want[~mask])
+    _, element_max = QUANTIZERS[name]
+    if special != special:  # E4M3 has a NaN; E2M1 has none and gives -0
+        assert got[mask].isnan().all() if name == "fp8" else _bits_equal(got[mask], torch.full_like(got[mask], -0.0))
+    else:  # saturates at the element format's largest value
+        assert torch.equal(got[mask], (math.copysign(element_max, special) * scale[mask]).bfloat16())
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_an_all_zero_block_decodes_to_zeros_with_the_floor_scale(rng, name):
+    x = _random_rows(rng)
+    block, _ = QUANTIZERS[name]
+    row, first = int(torch.randint(0, x.size(0), (1,), generator=rng)), block * int(torch.randint(0, 4, (1,),
+                                                                                                 generator=rng))
+    x[row, first : first + block] = torch.where(torch.rand(block, generator=rng) < 0.5, 0.0, -0.0)
+    got, scale = _quantize(name, x)
+    floor = {"fp8": codecs.pow2_scale_up(torch.tensor(1e-4), 448.0).item(), "mxfp4": 2.0**-126,
+             "main_kv": 2.0**-9}[name]
+    assert scale[row, first : first + block].eq(floor).all() and floor > 0
+    assert got[row, first : first + block].eq(0).all() and not got.isnan().any()
+
+
+@pytest.mark.parametrize("special", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_weight_quantizers_keep_a_non_finite_weight_to_itself(rng, special):
+    w = torch.randn(64, 96, generator=rng)
+    w = w.masked_fill(w == 0, 1.0)
+    mask = _special_positions(rng, w.shape)
+    q8, s8 = quant.quantize_weight_fp8(w.masked_fill(mask, special))
+    want8, want_s8 = quant.quantize_weight_fp8(w.masked_fill(mask, 0.0))
+    assert torch.equal(s8.view(torch.uint8), want_s8.view(torch.uint8))
+    assert torch.equal(q8.view(torch.uint8)[~mask], want8.view(torch.uint8)[~mask])
+    nan8 = q8.float()[mask].isnan()
+    assert nan8.all() if special != special else (q8.float()[mask] == 448).all()
+    q4, s4 = quant.quantize_weight_fp4(w.masked_fill(mask, special))
+    want4, want_s4 = quant.quantize_weight_fp4(w.masked_fill(mask, 0.0))
+    assert torch.equal(s4.view(torch.uint8), want_s4.view(torch.uint8))
+    codes, want_codes = codecs.unpack_nibbles(q4), codecs.unpack_nibbles(want4)
+    assert torch.equal(codes[~mask], want_codes[~mask])
+    assert (codes[mask] == (0x7 if special == special else codecs.E2M1_NAN_CODE)).all()  # 6, or -0 for NaN
+
+
+def test_an_all_zero_weight_tile_gets_the_floor_scale(rng):
+    w = torch.randn(64, 64, generator=rng)
+    w[32:, :32] = 0.0
+    q, scale = quant.quantize_weight_fp8(w)
+    assert scale.view(torch.uint8)[1, 0].item() == 127 - 22  # 2^ceil(log2(1e-4 / 448)) = 2^-22
+    assert (q.float()[32:, :32] == 0).all() and not q.float().isnan().any()

@@ -1,13 +1,17 @@
 """Each Triton kernel against its torch twin, on the CPU through Triton's interpreter."""
 
+import math
+
 import pytest
 import torch
 
-from dsv41.kernels import torch_ops
+from dsv41.kernels import codecs, torch_ops
 from dsv41.kernels.layouts import index_k_format, main_kv_format, swa_format
 from dsv41.kernels.selection import topk_entries
 
 triton_kernels = pytest.importorskip("dsv41.kernels.triton_kernels", reason="triton is not installed")
+triton = pytest.importorskip("triton")
+tl = triton.language
 
 
 def _within_bf16_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -128,3 +132,53 @@ def test_an_unknown_kernel_backend_is_refused(monkeypatch):
     monkeypatch.setenv("DSV41_KERNELS", "cuda")
     with pytest.raises(ValueError, match="DSV41_KERNELS='cuda': use auto, triton or torch"):
         dispatch.pack_rows(torch.zeros(1, 64), main_kv_format(64))
+
+
+@pytest.mark.parametrize("fmt", [main_kv_format(64), index_k_format(32), swa_format(64)], ids=lambda f: f.name)
+def test_pack_rows_with_nan_inf_and_zero_blocks_is_bit_exact(rng, fmt):
+    """Non-finite elements change only themselves and zero blocks take the floor scale, in both."""
+    x = torch.randn(5, fmt.dim, generator=rng) * 10
+    where = torch.rand(5, fmt.dim, generator=rng) < 0.1
+    x[where] = torch.tensor([math.nan, -math.nan, math.inf, -math.inf])[torch.randint(0, 4, (int(where.sum()),),
+                                                                                      generator=rng)]
+    x[1, :32], x[2, :32] = 0.0, math.nan
+    x = x.bfloat16()
+    assert torch.equal(triton_kernels.pack_rows(x, fmt), torch_ops.pack_rows(x, fmt))
+
+
+@triton.jit
+def _codecs_kernel(x_ptr, amax_ptr, codes_ptr, e4m3_ptr, e2m1_ptr, scale_ptr, scale_code_ptr, e8m0_ptr,
+                   N: tl.constexpr):
+    """The kernels' codec helpers, element by element."""
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(e4m3_ptr + i, triton_kernels._e4m3_encode(x))
+    tl.store(e2m1_ptr + i, triton_kernels._e2m1_encode(x))
+    scale, scale_code = triton_kernels._pow2_scale_up(tl.load(amax_ptr + i), 1.0)
+    tl.store(scale_ptr + i, scale)
+    tl.store(scale_code_ptr + i, scale_code)
+    tl.store(e8m0_ptr + i, triton_kernels._e8m0_decode(tl.load(codes_ptr + i)))
+
+
+def test_kernel_codec_helpers_agree_with_the_codecs_on_special_values(rng):
+    """NaN (both signs), ±inf, ±0, subnormals and fresh random values through the kernels' encodes;
+    subnormals, zero and every other fp32 exponent through their power-of-two scale; every E8M0 code
+    (0 is 2^-127, 255 NaN) through their decode."""
+    n = 256
+    special = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-40, -1e-45, 464.0, 5.0])
+    x = torch.cat([special, torch.randn(n - len(special), generator=rng) * torch.exp2(
+        torch.randint(-12, 12, (n - len(special),), generator=rng).float())])
+    subnormal_bits = torch.cat([torch.tensor([0, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFF]),
+                                torch.randint(1, 2**23, (n // 2 - 5,), generator=rng)])
+    fields = torch.arange(n // 2) * 2  # every other exponent field, 0..254
+    normal_bits = fields * 2**23 + torch.randint(0, 2**23, (n // 2,), generator=rng)
+    amax = torch.cat([subnormal_bits, normal_bits]).int().view(torch.float32)
+    codes = torch.arange(n, dtype=torch.int32).to(torch.uint8)
+    outs = [torch.empty(n, dtype=dt) for dt in (torch.int32, torch.int32, torch.float32, torch.int32, torch.float32)]
+    _codecs_kernel[(1,)](x, amax, codes, *outs, n)
+    e4m3, e2m1, scale, scale_code, e8m0 = outs
+    assert torch.equal(e4m3.to(torch.uint8), codecs.e4m3_encode(x))
+    assert torch.equal(e2m1.to(torch.uint8), codecs.e2m1_encode(x))
+    assert torch.equal(scale.view(torch.int32), codecs.pow2_scale_up(amax, 1.0).view(torch.int32))
+    assert torch.equal(scale_code.to(torch.uint8), codecs.e8m0_encode(amax, "up"))
+    assert torch.equal(e8m0.view(torch.int32), codecs.e8m0_decode(codes).view(torch.int32))

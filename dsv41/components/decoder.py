@@ -124,7 +124,7 @@ class DecoderComponent(Component):
             seqs.append(seq)
         sizes = [message.sizes[i] for i in keep]
         out = m.Frames()
-        logits = hidden = torch.empty(0)
+        logits, hidden = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bfloat16)
         if keep:
             x, pre_mix = (torch.cat([t.split(message.sizes, dim=1)[i] for i in keep], dim=1) for t in (x, pre_mix))
             logits, hidden = self.core.decode_streams_batch(seqs, x, pre_mix, [message.starts[i] for i in keep], sizes)

@@ -256,7 +256,7 @@ class EncoderComponent(Component):
         if not inputs:
             out = m.Frames()
             reply(m.BatchLogits(request_id=message.request_id, request_ids=[], sizes=[],
-                                logits=out.add(torch.empty(0)), errors=errors), out)
+                                logits=out.add(torch.empty(0, dtype=torch.float32)), errors=errors), out)
             return
         seqs, tokens, fetches = (list(column) for column in zip(*inputs, strict=True))
         starts, sizes = [seq.cache.length for seq in seqs], [len(t) for t in tokens]

@@ -4,14 +4,15 @@
   ties to the even code; saturates at ±6; NaN encodes as 0x8 (-0), as the ONNX reference does.
 - E4M3 (FP8, "fn": no infinities): saturating encode (±inf and overflow -> ±448); without
   saturation overflow becomes NaN (0x7F, sign kept). NaN -> 0x7F (sign kept).
-- E8M0: an exponent byte, value 2^(code - 127), 0xFF = NaN.
+- E8M0: an exponent byte, value 2^(code - 127), 0xFF = NaN; encodes clamp to [2^-127, 2^127] and
+  round fp32 subnormals by their value.
 
 Two E2M1 codes share a byte, the even element in the low nibble.
 
 Scale rules: the reference rounds power-of-two scales *up*, 2^ceil(log2(amax / max)), computed as
 amax times the fp32 reciprocal of the format maximum; OCP MX instead takes 2^(floor(log2(amax)) -
 emax of the element type), which can clip the largest element. Both are here; the caches use the
-reference's.
+reference's. Neither scale is ever 0 (docs/kernels.md, "Special values").
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ from __future__ import annotations
 import torch
 
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
-E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+# Explicit dtypes: these tables are built at import time, possibly under a bf16 default dtype.
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
 E2M1_TABLE = torch.cat([E2M1_GRID, -E2M1_GRID])
 # A value exactly between two magnitudes goes to the even code: up at 0.75, 1.75 and 3.5.
-_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 _TIE_GOES_UP = torch.tensor([False, True, False, True, False, True, False])
 E2M1_NAN_CODE = 0x8
 _E4M3_OVERFLOW = 464.0
 E8M0_NAN_CODE = 0xFF
+_E8M0_SMALLEST_BITS = 0x00400000  # 2^-127 as fp32 bits
+_FP32_NAN_BITS = 0x7FC00000
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
@@ -89,43 +93,57 @@ def e4m3_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
 
 def e8m0_encode(x: torch.Tensor, rounding: str = "up") -> torch.Tensor:
     """Positive fp32 -> exponent byte. rounding 'up' (ceil to a power of two, the reference and the
-    ONNX 'up' mode), 'down' (floor, OCP MX) or 'nearest' (ties up). Saturates at codes 0 and 254;
-    NaN, ±inf and negative values encode as NaN (0xFF)."""
+    ONNX 'up' mode), 'down' (floor, OCP MX) or 'nearest' (ties, at 1.5 times a power of two, go up).
+    Results clamp to codes 0..254 (2^-127..2^127), so ±0 and every value below 2^-127 give code 0;
+    NaN, ±inf and negative values encode as NaN (0xFF), as ONNX does.
+
+    fp32 subnormals round by their value, not by their exponent field: the only codes near them
+    are 0 (2^-127, itself a subnormal) and 1 (2^-126), so 'up' gives 1 only above 2^-127 and
+    'nearest' only from 1.5 * 2^-127."""
     x = x.float().contiguous()
     bits = x.view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF).long()
-    mantissa = (bits & 0x7FFFFF).long()
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    subnormal = exponent == 0
     if rounding == "up":
-        exponent = exponent + (mantissa != 0).long()
+        bump = torch.where(subnormal, mantissa > 0x400000, mantissa != 0)
     elif rounding == "nearest":
-        exponent = exponent + (mantissa >= 0x400000).long()
-    elif rounding != "down":
+        bump = torch.where(subnormal, mantissa >= 0x600000, mantissa >= 0x400000)
+    elif rounding == "down":
+        bump = torch.zeros_like(subnormal)
+    else:
         raise ValueError(f"unknown rounding {rounding!r}; use 'up', 'down' or 'nearest'")
-    code = exponent.clamp(0, 254)
+    code = (exponent + bump.int()).clamp(0, 254)
     bad = x.isnan() | x.isinf() | (x < 0)
     return torch.where(bad, E8M0_NAN_CODE, code).to(torch.uint8)
 
 
 def e8m0_decode(codes: torch.Tensor) -> torch.Tensor:
-    """Exponent byte -> fp32 2^(code - 127); code 0 is 2^-127 (a float32 subnormal), 0xFF NaN."""
-    value = torch.exp2(codes.long().double() - 127).float()
-    return torch.where(codes == E8M0_NAN_CODE, torch.nan, value)
+    """Exponent byte -> fp32 2^(code - 127), built from the bits; code 0 is 2^-127 (a float32
+    subnormal, which a plain shift of the code into the exponent field would make 0), 0xFF NaN."""
+    c = codes.to(torch.int32)
+    bits = torch.where(c == 0, _E8M0_SMALLEST_BITS, c << 23)
+    return torch.where(c == E8M0_NAN_CODE, _FP32_NAN_BITS, bits).view(torch.float32)
 
 
 def pow2_scale_up(amax: torch.Tensor, max_value: float) -> torch.Tensor:
-    """The reference's scale: 2^ceil(log2(amax * fp32(1 / max_value))), from the float's bits."""
-    ratio = (amax.float() * torch.tensor(1.0 / max_value, dtype=torch.float32)).contiguous()
-    bits = ratio.view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    has_fraction = (bits & 0x7FFFFF) != 0
-    return ((exponent + has_fraction.to(torch.int32)) << 23).view(torch.float32)
+    """The reference's scale: 2^ceil(log2(amax * fp32(1 / max_value))), from the float's bits, as an
+    E8M0 value: clamped to [2^-127, 2^127] (a zero amax gives 2^-127, never a 0 scale); NaN stays NaN."""
+    ratio = amax.float() * torch.tensor(1.0 / max_value, dtype=torch.float32)
+    return e8m0_decode(e8m0_encode(ratio, "up"))
 
 
 def ocp_mx_scale(amax: torch.Tensor, element_emax: int) -> torch.Tensor:
-    """OCP MX v1.0 scale: 2^(floor(log2(amax)) - emax_elem) (emax 2 for E2M1, 8 for E4M3)."""
-    return torch.exp2(torch.floor(torch.log2(amax.float())) - element_emax)
+    """OCP MX v1.0 scale: 2^(floor(log2(amax)) - emax_elem) (emax 2 for E2M1, 8 for E4M3), clamped
+    to the E8M0 range. floor(log2) comes from the bits: a float log2 rounds values just below a
+    power of two up to it. A zero amax gives 2^-127; NaN and inf give NaN."""
+    codes = e8m0_encode(amax, "down")
+    shifted = (codes.int() - element_emax).clamp(0, 254)
+    return e8m0_decode(torch.where(codes == E8M0_NAN_CODE, E8M0_NAN_CODE, shifted))
 
 
 def e4m3_scale(amax: torch.Tensor, max_value: float = E2M1_MAX) -> torch.Tensor:
-    """Main-KV scale: E4M3(amax / 6), round-to-nearest-even, saturating, as fp32."""
-    return e4m3_decode(e4m3_encode(amax.float() / max_value))
+    """Main-KV scale: E4M3(max(amax, max_value * 2^-9) / max_value), round-to-nearest-even,
+    saturating, as fp32. The floor (the reference's) is the smallest E4M3 value, so a zero block
+    gets a nonzero scale and decodes to zeros."""
+    return e4m3_decode(e4m3_encode(amax.float().clamp_min(max_value * 2**-9) / max_value))

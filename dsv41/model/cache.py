@@ -142,8 +142,8 @@ class DecodeCache:
             groups[s.layer_id] = GroupCache(
                 main_kv=PagedEntries(pools.pool(main, packed), n),
                 index_k=PagedEntries(pools.pool(index, packed), n),
-                kv_state=torch.zeros(state) if s.ratio > 1 else None,
-                score_state=torch.full(state, -torch.inf) if s.ratio > 1 else None,
+                kv_state=torch.zeros(state, dtype=torch.float32) if s.ratio > 1 else None,
+                score_state=torch.full(state, -torch.inf, dtype=torch.float32) if s.ratio > 1 else None,
             )
         return cls(capacity, windows, groups, torch.zeros(batch, capacity, dtype=torch.long),
                    torch.ones(batch, capacity, dtype=torch.bool), packed=packed,

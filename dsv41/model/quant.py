@@ -8,6 +8,11 @@ Three quantizers matter:
 
 `*_qdq` functions quantize then dequantize back to the input dtype, which is how the reference
 simulates the caches. Power-of-two scales here round up, unlike OCP MX's round-down convention.
+
+Non-finite inputs (docs/kernels.md, "Special values"): a block's scale comes from its largest
+*finite* magnitude, so a NaN or ±inf element changes only itself. NaN stays NaN where the element
+format has a NaN (E4M3) and becomes -0 in E2M1, which has none; ±inf saturates to the format's
+largest value. For finite inputs this is exactly the reference.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dsv41.kernels.codecs import (
     e2m1_decode,
     e2m1_encode,
     e4m3_encode,
+    e8m0_encode,
     pack_nibbles,
     pow2_scale_up,
     unpack_nibbles,
@@ -40,6 +46,12 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return e2m1_decode(unpack_nibbles(packed))
 
 
+def _finite_amax(x: torch.Tensor, dim: int | tuple[int, ...] = -1) -> torch.Tensor:
+    """The largest finite |x| along dim (0 if none): a NaN or inf element must not set the scale of
+    its block, or the whole block would decode to zeros or NaN."""
+    return x.abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=dim)
+
+
 def _groups(x: torch.Tensor, block: int) -> torch.Tensor:
     if x.size(-1) % block:
         raise ValueError(f"last dim {x.size(-1)} is not a multiple of the quantization block {block}")
@@ -49,7 +61,7 @@ def _groups(x: torch.Tensor, block: int) -> torch.Tensor:
 def fp8_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 activation quantization: (E4M3 values [..., K], fp32 pow-2 scales [..., K/block])."""
     groups = _groups(x, block)
-    amax = groups.abs().amax(dim=-1).clamp_min(1e-4)
+    amax = _finite_amax(groups).clamp_min(1e-4)
     scale = pow2_scale_up(amax, FP8_MAX)
     return to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2), scale
 
@@ -61,11 +73,8 @@ def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 def _fp4_scaled(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     groups = _groups(x, block)
-    amax = groups.abs().amax(dim=-1)
-    if e4m3_scale:
-        scale = codecs.e4m3_scale(amax.clamp_min(6 * 2**-9), FP4_MAX)
-    else:
-        scale = pow2_scale_up(amax.clamp_min(6 * 2**-126), FP4_MAX)
+    amax = _finite_amax(groups)
+    scale = codecs.e4m3_scale(amax, FP4_MAX) if e4m3_scale else pow2_scale_up(amax.clamp_min(6 * 2**-126), FP4_MAX)
     return (groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX), scale
 
 
@@ -117,13 +126,13 @@ def quantize_weight_fp8(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     n_out, n_in = w.shape
     padded = torch.nn.functional.pad(w.float(), (0, -n_in % block, 0, -n_out % block))
     tiles = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [ro, block, ci, block]
-    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4)
+    amax = _finite_amax(tiles, (1, 3)).clamp_min(1e-4)
     scale = pow2_scale_up(amax, FP8_MAX)
     q = to_e4m3(tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n_out, :n_in]
-    return q.contiguous(), scale.to(torch.float8_e8m0fnu)
+    return q.contiguous(), e8m0_encode(scale).view(torch.float8_e8m0fnu)
 
 
 def quantize_weight_fp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """An expert weight [out, in] -> (packed E2M1 as int8 [out, in/2], E8M0 scale [out, in/block])."""
     packed, scale = fp4_quant(w, block, e4m3_scale=False)
-    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)
+    return packed.view(torch.int8), e8m0_encode(scale).view(torch.float8_e8m0fnu)
