@@ -110,32 +110,41 @@ def test_readers_never_see_torn_values_and_a_killed_reader_does_not_block_the_wr
         store.close()
 
 
-def test_disk_full_is_a_named_error_and_the_store_stays_consistent(tmp_path):
+def test_disk_full_is_a_named_error_and_writes_resume_by_evicting(tmp_path):
     code = f"""
 import resource, signal, sys
 sys.path.insert(0, {str(WORKER.parent)!r})
 import store_worker
-from dsv41.storage.store import GlobalKVStore, StoreConfig, StoreFullError
+from dsv41.storage.store import GlobalKVStore, StoreConfig, StoreDiskFullError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-store = GlobalKVStore({str(tmp_path / 'store')!r}, store_worker.LAYOUT, StoreConfig(capacity_bytes=2**40, min_age_s=0,
-                      initial_map_bytes=2**20))
+clock = [1e6]
+store = GlobalKVStore({str(tmp_path / 'store')!r}, store_worker.LAYOUT, StoreConfig(capacity_bytes=2**40,
+                      min_age_s=3600, initial_map_bytes=2**20), clock=lambda: clock[0])
 resource.setrlimit(resource.RLIMIT_FSIZE, (3 * 2**20, 3 * 2**20))
+def put(batch):
+    store.put_many({{k: store_worker.payload(batch, i) for i, k in enumerate(store_worker.batch_keys(batch))}})
 batch = 0
 try:
     while True:
-        store.put_many({{k: store_worker.payload(batch, i) for i, k in enumerate(store_worker.batch_keys(batch))}})
+        put(batch)
         batch += 1
-except StoreFullError as exc:
+except StoreDiskFullError as exc:
     print("full", batch, exc)
-except OSError as exc:
-    print("oserror", batch, exc)
+for more in range(batch + 1, batch + 101):  # an hour apart: what is stored gets old enough to go,
+    clock[0] += 3600                        # and each write on the full file evicts to fit
+    put(more)
+print("resumed", more)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.startswith("full "), out.stdout + out.stderr
-    written = int(out.stdout.split()[1])
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("full "), out.stdout + out.stderr
+    written, last = int(lines[0].split()[1]), int(lines[1].split()[1])
     store = GlobalKVStore(tmp_path / "store", store_worker.LAYOUT, StoreConfig(capacity_bytes=2**40, min_age_s=0))
     try:
         assert store.verify() == []
-        assert sorted(_batches_present(store)) == list(range(written))
+        present = _batches_present(store)
+        assert all(count == store_worker.BATCH for count in present.values()), "a partial batch is visible"
+        assert written not in present and last in present  # the refused batch stored nothing
+        assert min(present) > 0 and len(present) < written + 100  # the oldest went first
     finally:
         store.close()

@@ -4,10 +4,15 @@ Only this process opens the store for writing. Lookups hash the prompt's complet
 return the longest stored chain; reads return block payloads (a copy per block, as tensor
 frames); writes are batched and durable when acknowledged. A full store answers `full=True`
 and stores nothing: the caller has computed the KV anyway, so a full store costs only reuse.
+
+A store that cannot be used (another model's, another format, a second writer holds it) is
+logged once and the component runs without it: every lookup misses, nothing is stored, and the
+pipeline recomputes. A corrupt store file is moved aside and replaced by an empty store.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,22 +23,31 @@ from dsv41.components.runtime import Component, Reply
 from dsv41.storage.blockfmt import BlockLayout
 from dsv41.storage.policy import PrefixCachePolicy
 from dsv41.storage.prefix import Fingerprint
-from dsv41.storage.store import GlobalKVStore, StoreConfig, StoreFullError
+from dsv41.storage.store import GlobalKVStore, StoreConfig, StoreError, StoreFullError
 from dsv41.storage.swa_pool import SWAPool
 
 GIB = 2**30
+log = logging.getLogger(__name__)
 
 
 def store_path(context: ComponentContext) -> Path:
     return Path(context.pipeline.store.path.replace("{pipeline}", context.pipeline.name)).expanduser()
 
 
-def open_policy(context: ComponentContext) -> PrefixCachePolicy:
+def open_policy(context: ComponentContext) -> PrefixCachePolicy | None:
+    """The prefix cache over the pipeline's store, or None (logged) when the store cannot be used:
+    a cache is never a reason for a pipeline not to run."""
     spec = context.pipeline.store
     layout = BlockLayout.of(context.config, spec.block_tokens)
-    store = GlobalKVStore(store_path(context), layout, StoreConfig(capacity_bytes=int(spec.capacity_gib * GIB)))
+    fingerprint = Fingerprint.of(context.config, context.weights_revision)
+    try:
+        store = GlobalKVStore(store_path(context), layout, StoreConfig(capacity_bytes=int(spec.capacity_gib * GIB)),
+                              model_id=fingerprint.digest(), quarantine=True)
+    except StoreError as exc:
+        log.error("kvstore: %s; running without the prefix cache (requests recompute)", exc)
+        return None
     pool = SWAPool(int(spec.swa_pool_gib * GIB), spec.swa_ttl_s)
-    return PrefixCachePolicy(store, pool, Fingerprint.of(context.config, context.weights_revision), spec.block_tokens)
+    return PrefixCachePolicy(store, pool, fingerprint, spec.block_tokens)
 
 
 class KVStoreComponent(Component):
@@ -42,11 +56,21 @@ class KVStoreComponent(Component):
 
     def __init__(self, context: ComponentContext):
         super().__init__()
+        self.block_tokens = context.pipeline.store.block_tokens
         self.policy = open_policy(context)
-        self.store = self.policy.store
+        self.counters["store_disabled"] = int(self.policy is None)
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         rid = message.request_id
+        if self.policy is None:  # no keys in a lookup: the encoder then neither loads nor stores
+            match message:
+                case m.Lookup():
+                    reply(m.LookupResult(request_id=rid, keys=[], cached_blocks=0, block_tokens=self.block_tokens))
+                case m.GetBlocks():
+                    reply(m.Blocks(request_id=rid, payloads=[]))
+                case m.PutBlocks():
+                    reply(m.Stored(request_id=rid, stored=0))
+            return
         match message:
             case m.Lookup():
                 hit = self.policy.lookup(m.unpack_ids(message.ids))
@@ -60,7 +84,7 @@ class KVStoreComponent(Component):
                 out = m.Frames()
                 payloads = []
                 for key in message.keys:
-                    payload = self.store.get_copy(key)
+                    payload = self.policy.store.get_copy(key)
                     if payload is None:
                         break
                     payloads.append(out.add(torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
@@ -77,7 +101,7 @@ class KVStoreComponent(Component):
             self.policy.pool.put(message.snapshot_key, bytes(frames[message.snapshot.frame]))
             self.counters["snapshots_pooled"] += 1
         try:
-            stored = self.store.put_many(values)
+            stored = self.policy.store.put_many(values)
         except ValueError as e:  # a payload that does not fit the block layout
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, str(e)) from None
         except StoreFullError:
@@ -87,4 +111,5 @@ class KVStoreComponent(Component):
         return m.Stored(request_id=message.request_id, stored=stored)
 
     def close(self) -> None:
-        self.store.close()
+        if self.policy is not None:
+            self.policy.store.close()
