@@ -5,6 +5,8 @@ The release ships two configs: the nested `config.json` (dsv41's own field names
 other in both directions. Weights are safetensors with the official tensor names and on-disk
 dtypes; `load_weights` matches them to the model by name and applies the release's load-time
 conversions, reporting every missing, unexpected, mis-shaped or mistyped tensor in one error.
+A model directory (`open_model_dir`) bundles a config, its weight files, an optional
+`tokenizer.json` and `generation_config.json`; `dsv41.export` writes one.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from dsv41.config import CONFIG_DIR, ConfigError, ModelConfig, config_from_dict, config_to_dict
+
+if TYPE_CHECKING:
+    from dsv41.model.transformer import Transformer
 
 # flat inference/config.json field -> path in the nested config.json
 INFERENCE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -144,24 +149,209 @@ class CheckpointError(ValueError):
         super().__init__(f"checkpoint {source} does not fit the model: {len(problems)} problem(s)\n{lines}")
 
 
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+GENERATION_FILE = "generation_config.json"
+
+
 def weight_files(path: str | Path) -> list[Path]:
     """Safetensors files of a checkpoint: a file, or a folder with model.safetensors.index.json,
-    model*.safetensors shards, or weights.safetensors."""
+    model*.safetensors shards, or weights.safetensors. Shards the index names must all exist."""
     path = Path(path)
     if path.is_file():
         return [path]
-    index = path / "model.safetensors.index.json"
+    if not path.is_dir():
+        raise CheckpointError(str(path), ["no such file or directory"])
+    index = path / INDEX_FILE
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(_index_map(index).values()))
+        missing = [f"{INDEX_FILE} names shard {shard}, which is missing" for shard in shards
+                   if not (path / shard).is_file()]
+        if missing:
+            raise CheckpointError(str(path), missing)
         return [path / shard for shard in shards]
     files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("weights.safetensors"))
     if not files:
-        raise CheckpointError(str(path), ["no safetensors weight files found"])
+        raise CheckpointError(str(path), ["no safetensors weight files found (model.safetensors, "
+                                          f"{INDEX_FILE} with its shards, or weights.safetensors)"])
     return files
+
+
+def _index_map(index: Path) -> dict[str, str]:
+    """The weight_map of a shard index (tensor name -> shard file name), checked for shape."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(str(index), ['not a shard index: expected {"weight_map": {tensor: shard file}}'])
+    if any(Path(v).name != v for v in weight_map.values()):
+        raise CheckpointError(str(index), ["shard names must be plain file names in the same directory"])
+    return weight_map
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(str(file), [f"not a readable safetensors file: {exc}"]) from None
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Sampling defaults and special ids of a model directory, as HF's generation_config.json holds
+    them; temperature 0 means greedy (HF: do_sample false)."""
+
+    bos_token_id: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @classmethod
+    def for_config(cls, config: ModelConfig) -> GenerationConfig:
+        """Greedy decoding with the config's special ids: what a directory without the file means."""
+        return cls(config.bos_token_id, (config.eos_token_id,), config.pad_token_id)
+
+    def to_json(self, transformers_version: str) -> dict[str, Any]:
+        data: dict[str, Any] = {"bos_token_id": self.bos_token_id,
+                                "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1
+                                else list(self.eos_token_ids)}
+        if self.pad_token_id is not None:
+            data["pad_token_id"] = self.pad_token_id
+        data["do_sample"] = self.temperature > 0
+        if self.temperature > 0:
+            data |= {"temperature": self.temperature, "top_p": self.top_p}
+        return data | {"transformers_version": transformers_version}
+
+    @classmethod
+    def from_json(cls, data: Any, config: ModelConfig, source: str) -> GenerationConfig:
+        """Read HF fields; ids left out take the config's, sampling fields HF's defaults."""
+        if not isinstance(data, dict):
+            raise CheckpointError(source, ["not a JSON object"])
+        eos = data.get("eos_token_id", config.eos_token_id)
+        eos = list(eos) if isinstance(eos, list) else [eos]
+        problems = [f"{key}: expected an integer id, got {value!r}"
+                    for key, value in (("bos_token_id", data.get("bos_token_id", 0)),
+                                       ("pad_token_id", data.get("pad_token_id", 0)),
+                                       *(("eos_token_id", e) for e in eos))
+                    if value is not None and (isinstance(value, bool) or not isinstance(value, int))]
+        sample = data.get("do_sample", False)
+        temperature, top_p = data.get("temperature", 1.0), data.get("top_p", 1.0)
+        for key, value, ok in (("do_sample", sample, isinstance(sample, bool)),
+                               ("temperature", temperature, _number(temperature) and temperature >= 0),
+                               ("top_p", top_p, _number(top_p) and 0 < top_p <= 1)):
+            if not ok:
+                problems.append(f"{key}: {value!r} is out of range")
+        if not eos:
+            problems.append("eos_token_id: empty list")
+        if problems:
+            raise CheckpointError(source, problems)
+        return cls(data.get("bos_token_id", config.bos_token_id), tuple(eos),
+                   data.get("pad_token_id", config.pad_token_id),
+                   float(temperature) if sample else 0.0, float(top_p) if sample else 1.0)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A model directory: what every command that takes a model needs. The tokenizer file is passed
+    through as a path; building a tokenizer from it is the tokenizer's business."""
+
+    path: Path
+    config: ModelConfig
+    runtime: RuntimeArgs
+    weights_files: tuple[Path, ...]
+    tokenizer_path: Path | None
+    generation: GenerationConfig
+
+
+def open_model_dir(path: str | Path) -> ModelDir:
+    """Check a model directory and describe it, without reading any weights: the config (either
+    official format), the weight files (single file, or an index and every shard it names, each
+    holding the tensors the index puts there), tokenizer.json and generation_config.json if present."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(str(path), ["no such model directory"])
+    if not (path / CONFIG_FILE).is_file():
+        raise CheckpointError(str(path), [f"{CONFIG_FILE} is missing"])
+    try:
+        config, runtime = load_any_config(path / CONFIG_FILE)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(str(path / CONFIG_FILE), [f"not valid JSON: {exc}"]) from None
+    files = weight_files(path)
+    if (path / INDEX_FILE).is_file():
+        _check_index(path, _index_map(path / INDEX_FILE))
+    generation = GenerationConfig.for_config(config)
+    if (path / GENERATION_FILE).is_file():
+        source = str(path / GENERATION_FILE)
+        try:
+            data = json.loads((path / GENERATION_FILE).read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(source, [f"not valid JSON: {exc}"]) from None
+        generation = GenerationConfig.from_json(data, config, source)
+    tokenizer = path / TOKENIZER_FILE
+    return ModelDir(path, config, runtime, tuple(files), tokenizer if tokenizer.is_file() else None, generation)
+
+
+def _check_index(path: Path, weight_map: dict[str, str]) -> None:
+    """Every tensor the index lists is in its shard, and every shard tensor is listed."""
+    listed: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        listed.setdefault(shard, set()).add(name)
+    problems = []
+    for shard, names in sorted(listed.items()):
+        held = set(_open(path / shard).keys())
+        problems += [f"{name}: {INDEX_FILE} puts it in {shard}, which does not hold it"
+                     for name in sorted(names - held)]
+        problems += [f"{name}: in {shard} but not listed in {INDEX_FILE}" for name in sorted(held - names)]
+    if problems:
+        raise CheckpointError(str(path), problems)
+
+
+def engram_token_map(model_dir: ModelDir) -> list[int]:
+    """The Engram compressed-token map of the directory's tokenizer.json, or of the byte-level
+    tokenizer the built-in configs use when the directory has none."""
+    from tokenizers import Tokenizer
+
+    from dsv41.model.engram import token_map_from_tokenizer
+    from dsv41.model.tokenizer import byte_tokenizer
+
+    t = model_dir.config.text_config
+    if model_dir.tokenizer_path is None:
+        tokenizer, which = byte_tokenizer(t.vocab_size), f"the byte-level tokenizer (no {TOKENIZER_FILE})"
+    else:
+        tokenizer, which = Tokenizer.from_file(str(model_dir.tokenizer_path)), TOKENIZER_FILE
+    token_map = token_map_from_tokenizer(tokenizer)[0]
+    if max(token_map) + 1 != t.engram_compressed_vocab_size:
+        raise CheckpointError(str(model_dir.path), [
+            f"{which} compresses to {max(token_map) + 1} Engram ids; {CONFIG_FILE} has "
+            f"engram_compressed_vocab_size {t.engram_compressed_vocab_size}"])
+    return token_map
+
+
+def load_model(model_dir: ModelDir | str | Path, device: str | None = None) -> tuple[Transformer, list[str]]:
+    """Build the directory's model and load its weights; also returns the names of stored tensors
+    left for later parts (DSpark stages)."""
+    from dsv41.model.transformer import build_model
+
+    if not isinstance(model_dir, ModelDir):
+        model_dir = open_model_dir(model_dir)
+    t = model_dir.config.text_config
+    token_map = engram_token_map(model_dir) if t.engram_layer_ids else None
+    model = build_model(model_dir.config, token_map, device)
+    return model, load_weights(model, list(model_dir.weights_files))
 
 
 # bf16 tensors the reference holds in fp32 (SPEC.md §4.2 and the golden notes); promotion is exact.
 PROMOTED_TO_FP32 = ("head.weight", ".compressor.wkv.weight", ".compressor.wgate.weight")
+# Stored FP8 with 32x32 scales, held in bf16 (dequantized at load, as the release's convert.py does).
+DEQUANTIZED_AT_LOAD = (".wo_a.weight",)
 
 # Tensors the model does not use yet, loaded by later parts (DSpark stages live under mtp.*).
 NOT_YET_USED = ("mtp.",)
@@ -175,8 +365,13 @@ def _dequantize_fp8_tiles(weight: torch.Tensor, scale: torch.Tensor, block: int 
 def _convert(name: str, stored: torch.Tensor, param: torch.Tensor, read) -> torch.Tensor | str:
     """The stored tensor in the parameter's form, or a problem description."""
     if stored.dtype == torch.float8_e4m3fn and param.dtype == torch.bfloat16:
-        scale_name = name[: -len("weight")] + "scale"
-        stored = _dequantize_fp8_tiles(stored, read(scale_name))  # wo_a: exact, the scales are powers of 2
+        scale = read(name[: -len("weight")] + "scale")
+        if scale is None:
+            return f"{name}: FP8 weight without its {name[: -len('weight')]}scale"
+        if scale.dtype != torch.float8_e8m0fnu or scale.shape != _tile_grid(stored.shape):
+            return (f"{name[: -len('weight')]}scale: {scale.dtype} {tuple(scale.shape)}, expected "
+                    f"torch.float8_e8m0fnu {_tile_grid(stored.shape)}")
+        stored = _dequantize_fp8_tiles(stored, scale)  # wo_a: exact, the scales are powers of 2
     elif stored.dtype == torch.bfloat16 and param.dtype == torch.float32 and name.endswith(PROMOTED_TO_FP32):
         stored = stored.float()
     if stored.dtype != param.dtype:
@@ -186,17 +381,29 @@ def _convert(name: str, stored: torch.Tensor, param: torch.Tensor, read) -> torc
     return stored
 
 
+def _tile_grid(shape: torch.Size, block: int = 32) -> tuple[int, int]:
+    return (-(-shape[0] // block), -(-shape[1] // block))
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, files: list[Path]) -> list[str]:
-    """Copy the checkpoint's tensors into `model`; returns the names left for later parts."""
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-    params = dict(model.named_parameters())
+    """Copy the checkpoint's tensors into `model`; returns the names left for later parts.
+    Every problem names its tensor and, when it was found, the file that holds it."""
+    where: dict[str, tuple[Path, Any]] = {}
     problems, consumed, deferred = [], set(), []
+    for file in files:
+        handle = _open(Path(file))
+        for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if name in where:
+                problems.append(f"{name}: in both {where[name][0].name} and {Path(file).name}")
+            where[name] = (Path(file), handle)
+    params = dict(model.named_parameters())
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str) -> torch.Tensor | None:
+        if name not in where:
+            return None
         consumed.add(name)
-        return where[name].get_tensor(name)
+        return where[name][1].get_tensor(name)
 
     for name, param in params.items():
         if name not in where:
@@ -204,16 +411,28 @@ def load_weights(model: nn.Module, files: list[Path]) -> list[str]:
             continue
         value = _convert(name, read(name), param, read)
         if isinstance(value, str):
-            problems.append(value)
+            problems.append(f"{value} [{where[name][0].name}]")
         else:
             param.copy_(value)
-    for name in where:
+    for name, (file, _) in where.items():
         if name in consumed:
             continue
         if name.startswith(NOT_YET_USED):
             deferred.append(name)
         else:
-            problems.append(f"{name}: unexpected tensor (the model has no such parameter)")
+            problems.append(f"{name}: unexpected tensor (the model has no such parameter) [{file.name}]")
     if problems:
         raise CheckpointError(", ".join(str(f) for f in files), problems)
     return deferred
+
+
+def read_tensors(files: list[Path], names: list[str]) -> dict[str, torch.Tensor]:
+    """Stored tensors by name, as they are on disk (for passing tensors the model does not hold yet,
+    such as the DSpark stages, through a conversion)."""
+    wanted, out = set(names), {}
+    for file in files:
+        handle = _open(Path(file))
+        for name in handle.keys():  # noqa: SIM118
+            if name in wanted:
+                out[name] = handle.get_tensor(name)
+    return out
