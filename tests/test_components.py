@@ -17,7 +17,7 @@ from dsv41.components.runtime import ComponentError, Peer, new_request_id
 from dsv41.engine.core import InferenceCore
 from dsv41.model.pages import PAGE_ENTRIES
 from dsv41.model.reference import random_model
-from dsv41.model.tokenizer import byte_tokenizer, encode
+from dsv41.model.tokenizer import BYTE_OFFSET, byte_tokenizer, encode
 from dsv41.storage.blockfmt import BlockLayout
 from dsv41.storage.store import GlobalKVStore
 from tests.helpers.pipelines import StandIn, endpoints, pipeline_for, start_alone
@@ -359,9 +359,7 @@ def test_encoder_hands_the_decoder_the_in_process_encoder_output(running, model,
 def test_dspark_schedules_decoding_and_fails_requests_alone(running):
     r = running("dspark", engram={"prefetch": False})
     r.stand_in("tokenizer", lambda message, frames: (
-        (m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None)
-        if isinstance(message, m.Tokenize) else
-        (m.Detokenized(request_id=message.request_id, text="x" * (len(message.ids) // 4)), None)))
+        m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None))
     steps, batches = [], []
 
     def one_hot() -> torch.Tensor:
@@ -394,7 +392,7 @@ def test_dspark_schedules_decoding_and_fails_requests_alone(running):
     peer = r.start()
     events = list(peer.stream(m.Generate(request_id=5, prompt="hello", max_new_tokens=3)))
     assert [e.token for e in events[:-1]] == [11, 12, 13]
-    assert "".join(e.text for e in events[:-1]) == "xxx"
+    assert "".join(e.text for e in events[:-1]) == "\b\t\n"  # dspark's own detokenizer: ids 11..13 are bytes 8..10
     done = events[-1]
     assert (done.reason, done.prompt_tokens, done.generated_tokens, done.cached_tokens) == \
         (m.FinishReason.LENGTH, 5, 3, 3)
@@ -442,14 +440,11 @@ def test_encoder_steps_a_batch_and_reports_the_requests_it_cannot_step(running, 
 
 
 def test_dspark_streams_text_whole_characters(running):
-    """Token ids here are byte values: a character split over tokens is shown once complete."""
+    """Byte tokens of the stand-in tokenizer: a character split over tokens is shown once complete."""
     r = running("dspark", engram={"prefetch": False})
     r.stand_in("tokenizer", lambda message, frames: (
-        (m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None)
-        if isinstance(message, m.Tokenize) else
-        (m.Detokenized(request_id=message.request_id,
-                       text=bytes(m.unpack_ids(message.ids)).decode(errors="replace")), None)))
-    planned = list("é✓ok".encode())  # 2 + 3 + 2 bytes
+        m.Tokens(request_id=message.request_id, ids=m.pack_ids(encode(byte_tokenizer(320), message.text))), None))
+    planned = [BYTE_OFFSET + b for b in "é✓ok".encode()]  # 2 + 3 + 1 + 1 bytes
 
     def encoder(message, frames):
         if isinstance(message, m.Release):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from dsv41.components.runtime import Peer
 from dsv41.config import ModelConfig, load_config
 from dsv41.model.transformer import Transformer
@@ -49,6 +51,14 @@ class ComponentContext:
             return load_any_config(Path(spec.config).expanduser())[0]
         return load_config(spec.config)
 
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer.json (in the checkpoint or beside the config), else the byte stand-in."""
+        from dsv41.model.tokenizer import load_tokenizer
+
+        spec = self.pipeline.model
+        return load_tokenizer(spec.checkpoint or spec.config, self.config.text_config.vocab_size)
+
     @property
     def weights_revision(self) -> str:
         """What identifies the weights in prefix-cache keys."""
@@ -62,7 +72,7 @@ class ComponentContext:
         from dsv41.model.reference import random_model
 
         spec = self.pipeline.model
-        model = random_model(self.config, spec.seed)
+        model = random_model(self.config, spec.seed, self.tokenizer)
         if spec.checkpoint:
             from dsv41.checkpoint import load_weights, weight_files
 

@@ -17,6 +17,7 @@ from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
 from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
 from dsv41.model.reference import Sampling, sample_next
+from dsv41.model.tokenizer import Detokenizer, token_bytes
 
 
 @dataclass
@@ -31,9 +32,9 @@ class Request:
     generator: torch.Generator
     started: float
     tail: list[int]  # the last Engram look-back ids before the next token
+    detokenizer: Detokenizer
     prefill: m.Logits | None = None
     generated: list[int] = field(default_factory=list)
-    shown: int = 0  # generated tokens already sent as text
     ttft_s: float = 0.0
     engram_wait_s: float = 0.0
 
@@ -49,6 +50,7 @@ class DSparkComponent(Component):
         self.lookback = config.text_config.engram_max_ngram_size - 1
         self.prefetch = bool(context.option("engram", "prefetch", True)) and bool(config.text_config.engram_layer_ids)
         self.tokenizer, self.encoder = context.peer("tokenizer"), context.peer("encoder")
+        self.token_bytes = token_bytes(context.tokenizer)
         self.engram = context.peer("engram") if self.prefetch else None
         self.active: deque[Request] = deque()
 
@@ -75,7 +77,7 @@ class DSparkComponent(Component):
         sampling = Sampling(message.temperature, message.top_p, message.seed)
         return Request(message.request_id, new_request_id(), reply, len(ids), message.max_new_tokens, sampling,
                        (self.eos,) if message.stop_at_eos else (), torch.Generator().manual_seed(message.seed),
-                       time.perf_counter(), ids[max(0, len(ids) - self.lookback):])
+                       time.perf_counter(), ids[max(0, len(ids) - self.lookback):], Detokenizer(self.token_bytes))
 
     def _start(self, request: Request, ids: list[int], mode: str) -> None:
         rid = request.internal_id
@@ -137,21 +139,11 @@ class DSparkComponent(Component):
     def _emit(self, request: Request, logits: torch.Tensor) -> None:
         token = int(sample_next(logits.unsqueeze(0), request.sampling, request.generator)[0])
         request.generated.append(token)
-        request.reply(m.TokenEvent(request_id=request.client_id, token=token, text=self._new_text(request)))
+        request.reply(m.TokenEvent(request_id=request.client_id, token=token, text=request.detokenizer.push(token)))
         if token in request.stop_ids or len(request.generated) == request.max_new_tokens:
             self._finish(request, m.FinishReason.EOS if token in request.stop_ids else m.FinishReason.LENGTH)
         else:
             self.active.append(request)
-
-    def _new_text(self, request: Request) -> str:
-        """Text of the tokens not yet shown. Only those are detokenized (a token boundary is a byte
-        boundary); the bytes of a partial UTF-8 character wait for the rest, up to 4 tokens."""
-        pending = request.generated[request.shown:]
-        answer, _ = self.tokenizer.call(m.Detokenize(request_id=new_request_id(), ids=m.pack_ids(pending)))
-        if answer.text.endswith("\ufffd") and len(pending) < 4:
-            return ""
-        request.shown = len(request.generated)
-        return answer.text
 
     def _finish(self, request: Request, reason: m.FinishReason) -> None:
         prefill = request.prefill

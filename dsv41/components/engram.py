@@ -17,7 +17,6 @@ from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
 from dsv41.components.runtime import Component, Reply
 from dsv41.model.engram import EngramHasher, token_map_from_tokenizer
-from dsv41.model.tokenizer import byte_tokenizer
 from dsv41.storage.engram_tables import EngramTables, write_tables
 
 
@@ -46,7 +45,7 @@ class EngramComponent(Component):
         super().__init__()
         t = context.config.text_config
         self.lookback = t.engram_max_ngram_size - 1
-        token_map, _ = token_map_from_tokenizer(byte_tokenizer(t.vocab_size))
+        token_map, _ = token_map_from_tokenizer(context.tokenizer)
         self.hasher = EngramHasher.build(t, token_map)
         self.tables = EngramTables(tables_path(context), list(t.engram_layer_ids))
         self.encoder = context.peer("encoder")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
 from dsv41.components.runtime import Component, Reply
-from dsv41.model.tokenizer import byte_tokenizer, decode, encode
+from dsv41.model.tokenizer import decode, encode
 
 
 class TokenizerComponent(Component):
@@ -14,7 +14,7 @@ class TokenizerComponent(Component):
 
     def __init__(self, context: ComponentContext):
         super().__init__()
-        self.tok = byte_tokenizer(context.config.text_config.vocab_size)
+        self.tok = context.tokenizer
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         match message:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from tokenizers import Tokenizer
 
 from dsv41.config import ModelConfig, load_config
 from dsv41.model.engram import token_map_from_tokenizer
@@ -72,9 +73,9 @@ def generate(
         ids.append(token)
 
 
-def random_model(config: ModelConfig | str, seed: int = 0) -> Transformer:
-    """A built-in-size model with seeded random weights and the byte-level tokenizer's Engram map."""
+def random_model(config: ModelConfig | str, seed: int = 0, tokenizer: Tokenizer | None = None) -> Transformer:
+    """A model with seeded random weights and the Engram map of `tokenizer` (default: the byte stand-in)."""
     if isinstance(config, str):
         config = load_config(config)
-    token_map, _ = token_map_from_tokenizer(byte_tokenizer(config.text_config.vocab_size))
+    token_map, _ = token_map_from_tokenizer(tokenizer or byte_tokenizer(config.text_config.vocab_size))
     return init_random(build_model(config, token_map), seed)
