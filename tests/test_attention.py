@@ -7,6 +7,7 @@ from dsv41.config import Mode, ModelConfig, config_from_dict, config_to_dict, lo
 from dsv41.kernels.torch_ops import select_candidate_blocks, sparse_attention
 from dsv41.model.attention import Attention, visible_entries, window_indices
 from dsv41.model.cache import DecodeCache
+from dsv41.model.numerics import stable_numerics
 from dsv41.model.reference import random_model
 from dsv41.model.trace import Trace
 
@@ -61,11 +62,17 @@ def test_candidate_pool_forces_the_newest_block_even_when_it_scores_worst(rng):
     assert mask[0, 0, 36:40].all() and mask.sum() == 8
 
 
-def test_equal_block_scores_keep_the_newer_block_whatever_the_row_width():
+def test_equal_block_scores_fall_as_the_official_top_k_has_them_and_by_the_fixed_policy_when_stable():
     scores = torch.tensor([[[0.1, 0.5, -1.0, -1.0, 0.2, 0.5, -1.0, -1.0, 0.3, 0.0, 0.0, 0.0]]])
-    narrow = select_candidate_blocks(scores, 12, 2, 4)
-    wide = select_candidate_blocks(torch.nn.functional.pad(scores, (0, 20), value=-torch.inf), 12, 2, 4)
-    # blocks 0 and 1 tie at 0.5; block 2 (the newest) is always kept, the tie goes to block 1
+    # blocks 0 and 1 tie at 0.5; block 2 (the newest) is always kept
+    official = select_candidate_blocks(scores, 12, 2, 4)
+    blocks = torch.tensor([[[0.5, 0.5, torch.inf]]]).topk(2, dim=-1).indices  # the official code's call
+    assert official[0, 0].nonzero().flatten().tolist() == sorted(
+        e for b in blocks.flatten().tolist() for e in range(4 * b, 4 * b + 4))
+    with stable_numerics():
+        narrow = select_candidate_blocks(scores, 12, 2, 4)
+        wide = select_candidate_blocks(torch.nn.functional.pad(scores, (0, 20), value=-torch.inf), 12, 2, 4)
+    # shape-stable numerics: the newer block wins whatever the row width
     assert narrow[0, 0].nonzero().flatten().tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert torch.equal(wide[..., :12], narrow)
 
