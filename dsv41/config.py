@@ -16,7 +16,7 @@ from typing import Any, get_type_hints
 
 import msgspec
 
-BUILTIN_CONFIGS = ("official", "mini", "micro")
+BUILTIN_CONFIGS = ("official", "mini", "micro", "small")
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 

@@ -8,6 +8,7 @@ import click
 
 from dsv41.cli.kv import kv
 from dsv41.cli.pipeline import COMMANDS
+from dsv41.cli.train import train
 from dsv41.config import BUILTIN_CONFIGS, ConfigError, ModelConfig, load_config
 
 CONFIG_HELP = f"Built-in config name ({', '.join(BUILTIN_CONFIGS)}) or path to a config.json."
@@ -180,5 +181,6 @@ def parity(folder: str, decode_mode: str, packed: bool, details: bool) -> None:
 
 
 cli.add_command(kv)
+cli.add_command(train)
 for command in COMMANDS:
     cli.add_command(command)

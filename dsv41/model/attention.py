@@ -43,6 +43,11 @@ class SharedAttention:
     candidate_source: int = -1
     scored: dict[str, int] | None = None  # index entries scored, by layer kind, when counted
     trace: Trace | None = None
+    # training only (a model in train mode): attend every visible entry (the indexer's dense
+    # warm-up), and collect each indexer layer's (index scores [b, s, n], attention probabilities
+    # over the entries [b, s, heads, n] (detached), attended mask [b, s, n]) for its KL term
+    dense_index: bool = False
+    index_targets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -188,11 +193,17 @@ class Indexer(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, t.rms_norm_eps, device) if owns_keys else None
 
     def keys(self, latent: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """Index keys (before MXFP4) from the pre-RoPE latent, rotated at each group's first position."""
+        """Index keys (before MXFP4) from the pre-RoPE latent, rotated at each group's first position.
+        In training the input is cut from the graph: the indexer learns from its KL term alone."""
+        if self.training:
+            latent = latent.detach()
         return rotate(self.k_norm(self.wk(latent)), table)
 
     def query(self, x: torch.Tensor, qr: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """MXFP4 index queries [b, s, heads, d] and per-head weights [b, s, heads] (bf16)."""
+        """MXFP4 index queries [b, s, heads, d] and per-head weights [b, s, heads] (bf16); in
+        training the inputs are cut from the graph, as for the keys."""
+        if self.training:
+            x, qr = x.detach(), qr.detach()
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return mxfp4_qdq(rotate(q, table)), weights
@@ -244,6 +255,8 @@ class Attention(nn.Module):
             o = self._decode_packed(x, qr, q[0], kv, table, shared.parts).unsqueeze(0)
         elif shared.start > 0 and s == 1 and shared.cache.packed:
             o = self._decode_packed(x, qr, q[:, 0], kv, table, [shared]).unsqueeze(1)
+        elif self.training:
+            o = self._attend_training(x, qr, q, kv, table, shared)
         else:
             o = self._attend(x, qr, q, kv, table, shared)
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
@@ -262,6 +275,36 @@ class Attention(nn.Module):
             idx = torch.cat([idx, torch.where(local_idx >= 0, local_idx + kv.size(1), -1)], dim=-1)
             kv = torch.cat([kv, entries], dim=1)
         return sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)
+
+    def _attend_training(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
+        """Training (from position 0, no cache): the entries inference picks (every visible one in
+        the dense warm-up) in one differentiable softmax with the sink over dense masked logits; the
+        probabilities are not rounded to bf16. An indexer layer hands its KL inputs to the loss."""
+        b, s, spec = x.size(0), x.size(1), self.spec
+        keys = fp8_qdq(kv)
+        offset = torch.arange(s).unsqueeze(1) - torch.arange(s)
+        allowed = ((offset >= 0) & (offset < self.window)).expand(b, s, s)
+        index_scores = None
+        if spec.ratio:
+            if spec.mode is Mode.FULL:
+                self._emit_entries(x, table, shared)
+            entries = shared.main_kv[spec.kv_owner]
+            n = entries.size(1)
+            visible = (torch.arange(n) < visible_entries(s, spec.ratio)).expand(b, s, n)
+            if self.indexer is not None:
+                index_scores = self._scores(x, qr, table, shared, n).masked_fill(~visible, -torch.inf)
+                if not shared.dense_index:
+                    shared.topk[spec.layer_id] = self._select(x, qr, table, shared, index_scores.detach())
+                    shared.rows_start[spec.layer_id] = 0
+            chosen = visible if shared.dense_index else pool_mask(shared.topk[spec.topk_producer], n)
+            keys, allowed = torch.cat([keys, entries], dim=1), torch.cat([allowed, chosen], dim=-1)
+        logits = numerics.einsum("bshd,btd->bsht", q, keys) * self.head_dim**-0.5
+        logits = logits.masked_fill(~allowed.unsqueeze(2), -torch.inf)
+        sink = self.attn_sink.view(1, 1, -1, 1).expand(b, s, -1, 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        if index_scores is not None and shared.index_targets is not None:
+            shared.index_targets.append((index_scores, probs[..., s:].detach(), chosen))
+        return numerics.einsum("bsht,btd->bshd", probs, keys)
 
     def _decode_packed(self, x, qr, q, kv, table, parts: list[SharedAttention]) -> torch.Tensor:
         """One decode token of each sequence read straight from packed bytes, the i-th token of
@@ -445,7 +488,8 @@ class Attention(nn.Module):
         key = _scored_kind(self.spec)
         shared.scored[key] = shared.scored.get(key, 0) + n
 
-    def _select(self, x, qr, table, shared: SharedAttention) -> torch.Tensor:
+    def _select(self, x, qr, table, shared: SharedAttention, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """Entry ids [b, s, index_topk] (-1 unused); `scores` when the caller already has them."""
         spec, s, start = self.spec, x.size(1), shared.start
         total = (start + s) // spec.ratio
         if total == 0:
@@ -454,7 +498,8 @@ class Attention(nn.Module):
             picked = self._select_in_pool(x, qr, table, shared, total)
             if picked is not None:
                 return picked
-        scores = self._scores(x, qr, table, shared, total)
+        if scores is None:
+            scores = self._scores(x, qr, table, shared, total)
         if shared.scored is not None:
             self._count_scored(scores, shared)
         if s == 1 and start > 0:

@@ -160,6 +160,8 @@ class EngramTable(nn.Module):
                                   requires_grad=False)
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:  # float master rows (training), looked up as they are
+            return self.weight[row_ids]
         values = self.weight[row_ids].float().unflatten(-1, (-1, 32)) * self.scale[row_ids].float().unsqueeze(-1)
         return values.flatten(-2).to(torch.bfloat16)
 

@@ -66,9 +66,18 @@ def fp8_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Ten
     return to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2), scale
 
 
+def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """`rounded` in value, identity in gradient (the straight-through estimator), so training sees
+    the cache formats' rounding; a tensor without gradient is returned as it is."""
+    if not x.requires_grad:
+        return rounded
+    return rounded.detach() + (x - x.detach())
+
+
 def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    values, scale = fp8_quant(x, block)
-    return (values.float().unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    values, scale = fp8_quant(x.detach(), block)
+    rounded = (values.float().unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    return straight_through(x, rounded)
 
 
 def _fp4_scaled(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +97,8 @@ def fp4_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tens
 
 
 def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
-    scaled, scale = _fp4_scaled(x, block, e4m3_scale)
-    return (e2m1_decode(e2m1_encode(scaled)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    scaled, scale = _fp4_scaled(x.detach(), block, e4m3_scale)
+    return straight_through(x, (e2m1_decode(e2m1_encode(scaled)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype))
 
 
 def main_kv_qdq(x: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ class Transformer(nn.Module):
     def forward(
         self, ids: torch.Tensor, image_mask: torch.Tensor | None = None, trace: Trace | None = None,
         cache: DecodeCache | None = None, scored: dict[str, int] | None = None,
+        dense_index: bool = False, index_targets: list | None = None,
     ) -> ForwardOutput:
         """Run ids [b, s] through every layer.
 
@@ -59,11 +60,14 @@ class Transformer(nn.Module):
         the cache's next positions (a prompt, a chunk of one, a decode step or tokens to verify).
         image_mask [b, s] marks image-span tokens (VL routing bias, dead for Engram);
         `trace` receives per-layer intermediates; `scored` counts index entries scored by layer kind.
+        Training (train mode, see dsv41.training): `dense_index` attends every visible entry,
+        `index_targets` collects each indexer layer's KL inputs (SharedAttention).
         """
         start, s = (0 if cache is None else cache.length), ids.size(1)
         self.check_span(start, s, cache)
         x, pre_mix, rows, live = self.begin(ids, start, cache, image_mask)
-        shared = SharedAttention(start=start, cache=cache, trace=trace, scored=scored)
+        shared = SharedAttention(start=start, cache=cache, trace=trace, scored=scored, dense_index=dense_index,
+                                 index_targets=index_targets)
         targets: list[torch.Tensor] = []
         for layer in self.layers:
             x, pre_mix = self.run_layer(layer, x, pre_mix, shared, rows, live, image_mask, targets)

@@ -1,0 +1,1 @@
+"""Training a dsv41 model on the CPU with the same network code that serves it (docs/training.md)."""

@@ -1,0 +1,124 @@
+"""`dsv41 train`: the loss falls, checkpoints resume bit for bit, the indexer's KL term learns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dsv41.cli.main import cli
+from dsv41.config import load_config
+from dsv41.model.reference import random_model
+from dsv41.model.tokenizer import byte_tokenizer
+from dsv41.training.indexer_loss import indexer_kl
+from dsv41.training.loop import new_model
+from dsv41.training.master import inference_model, to_training
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "tinyshakespeare_input.txt"
+ARGS = ["--config", "micro", "--seq-len", "32", "--batch", "2", "--steps", "20", "--lr", "1e-2",
+        "--warmup", "2", "--dense-steps", "6", "--eval-batches", "1", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "slice.txt"
+    if CORPUS.exists():
+        path.write_text(CORPUS.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    else:  # a checkout without ../shared: any English-like text will do
+        path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 300, encoding="utf-8")
+    return path
+
+
+def _train(corpus: Path, out: Path, *extra: str) -> list[dict]:
+    result = CliRunner().invoke(cli, ["train", *ARGS, "--corpus", str(corpus), "--out", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _steps(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["kind"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def full_run(corpus, tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("full")
+    return out, _train(corpus, out, "--save-every", "10")
+
+
+def test_loss_falls_and_checkpoints_are_written(full_run):
+    out, records = full_run
+    losses = [r["loss"] for r in _steps(records)]
+    assert len(losses) == 20
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    assert [r["dense"] for r in _steps(records)] == [True] * 6 + [False] * 14
+    validations = [r for r in records if r["kind"] == "validation"]
+    assert len(validations) == 1 and validations[0]["step"] == 20 and validations[0]["val_loss"] < losses[0]
+    assert sorted(p.name for p in out.glob("ckpt-*.pt")) == ["ckpt-000010.pt", "ckpt-000020.pt"]
+
+
+def test_resume_reproduces_the_run_bit_for_bit(full_run, corpus, tmp_path):
+    out, records = full_run
+    resumed = _train(corpus, tmp_path, "--resume", str(out / "ckpt-000010.pt"))
+    expected = [(r["step"], r["loss"], r["index_kl"], r["grad_norm"]) for r in _steps(records)[10:]]
+    assert [(r["step"], r["loss"], r["index_kl"], r["grad_norm"]) for r in _steps(resumed)] == expected
+    final = torch.load(out / "ckpt-000020.pt", weights_only=False)["model"]
+    again = torch.load(tmp_path / "ckpt-000020.pt", weights_only=False)["model"]
+    assert all(torch.equal(final[k], again[k]) for k in final)
+
+
+def test_resume_refuses_other_options(full_run, corpus, tmp_path):
+    out, _ = full_run
+    args = ["train", *ARGS, "--corpus", str(corpus), "--out", str(tmp_path), "--resume", str(out / "ckpt-000010.pt"),
+            "--lr", "5e-3"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code != 0 and "lr=0.01" in result.output
+
+
+def test_indexer_kl_is_finite_and_falls_on_a_fixed_batch():
+    config = load_config("micro")
+    model = new_model(config, byte_tokenizer(config.text_config.vocab_size), seed=0)
+    indexer = [p for name, p in model.named_parameters() if ".indexer." in name]
+    optimizer = torch.optim.Adam(indexer, lr=1e-2)
+    ids = torch.randint(3, 259, (2, 48), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(12):
+        targets = []
+        model(ids, index_targets=targets)
+        kl = torch.stack([indexer_kl(*t) for t in targets]).mean()
+        assert torch.isfinite(kl)
+        optimizer.zero_grad()
+        kl.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in indexer)
+        optimizer.step()
+        losses.append(kl.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_indexer_kl_values():
+    scores = torch.tensor([[[0.0, 0.0, 5.0], [1.0, 2.0, 3.0]]])
+    attention = torch.tensor([[[[0.25, 0.25, 0.0]], [[0.1, 0.2, 0.3]]]])  # one head
+    mask = torch.tensor([[[True, True, False], [False, False, False]]])
+    assert indexer_kl(scores, attention, mask).item() == pytest.approx(0.0, abs=1e-6)  # equal halves
+    skewed = torch.tensor([[[[0.3, 0.1, 0.0]], [[0.0, 0.0, 0.0]]]])
+    expected = 0.75 * torch.log(torch.tensor(1.5)) + 0.25 * torch.log(torch.tensor(0.5))
+    assert indexer_kl(scores, skewed, mask).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_training_form_gives_back_the_served_model_exactly():
+    """Masters made from a served model quantize back to the same values (FP4 bytes may pick another
+    equal encoding), and inference on the result matches the original bit for bit: training mode
+    leaves the inference path alone."""
+    served = random_model("micro", 0)
+    ids = torch.randint(3, 259, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = served(ids).logits
+    masters = {k: v.clone() for k, v in to_training(served).state_dict().items()}
+    back = inference_model(served)
+    assert not back.training
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, before)
+    again = to_training(back).state_dict()
+    assert masters.keys() == again.keys() and all(torch.equal(masters[k], again[k]) for k in masters)
