@@ -146,7 +146,7 @@ class CheckpointError(ValueError):
     def __init__(self, source: str, problems: list[str]):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"checkpoint {source} does not fit the model: {len(problems)} problem(s)\n{lines}")
+        super().__init__(f"checkpoint {source}: {len(problems)} problem(s)\n{lines}")
 
 
 CONFIG_FILE = "config.json"
@@ -315,24 +315,37 @@ def _check_index(path: Path, weight_map: dict[str, str]) -> None:
 
 
 def engram_token_map(model_dir: ModelDir) -> list[int]:
-    """The Engram compressed-token map of the directory's tokenizer.json, or of the byte-level
-    tokenizer the built-in configs use when the directory has none."""
-    from tokenizers import Tokenizer
-
+    """The Engram compressed-token map of the directory's tokenizer (its tokenizer.json, else the
+    byte-level stand-in), checked against the config."""
     from dsv41.model.engram import token_map_from_tokenizer
-    from dsv41.model.tokenizer import byte_tokenizer
+    from dsv41.model.tokenizer import load_tokenizer
 
     t = model_dir.config.text_config
-    if model_dir.tokenizer_path is None:
-        tokenizer, which = byte_tokenizer(t.vocab_size), f"the byte-level tokenizer (no {TOKENIZER_FILE})"
-    else:
-        tokenizer, which = Tokenizer.from_file(str(model_dir.tokenizer_path)), TOKENIZER_FILE
-    token_map = token_map_from_tokenizer(tokenizer)[0]
+    which = TOKENIZER_FILE if model_dir.tokenizer_path else f"the byte-level tokenizer (no {TOKENIZER_FILE})"
+    try:
+        token_map = token_map_from_tokenizer(load_tokenizer(model_dir.path, t.vocab_size))[0]
+    except ValueError as exc:  # a tokenizer.json of another vocabulary size
+        raise CheckpointError(str(model_dir.path), [str(exc)]) from None
     if max(token_map) + 1 != t.engram_compressed_vocab_size:
         raise CheckpointError(str(model_dir.path), [
             f"{which} compresses to {max(token_map) + 1} Engram ids; {CONFIG_FILE} has "
             f"engram_compressed_vocab_size {t.engram_compressed_vocab_size}"])
     return token_map
+
+
+def engram_tables_file(model_dir: ModelDir) -> Path:
+    """The weight file holding every Engram table (what the engram component memory-maps)."""
+    names = [f"layers.{layer}.engram.embed.{part}" for layer in model_dir.config.text_config.engram_layer_ids
+             for part in ("weight", "scale")]
+    found = {name: file for file in model_dir.weights_files for name in _open(file).keys()  # noqa: SIM118
+             if name in names}
+    holders = sorted({file.name for file in found.values()})
+    if len(found) != len(names) or len(holders) != 1:
+        missing = [name for name in names if name not in found]
+        raise CheckpointError(str(model_dir.path), [f"the Engram tables must all be in one file; they are in "
+                                                    f"{', '.join(holders) or 'no file'}" +
+                                                    (f", and {', '.join(missing)} missing" if missing else "")])
+    return next(iter(found.values()))
 
 
 def load_model(model_dir: ModelDir | str | Path, device: str | None = None) -> tuple[Transformer, list[str]]:

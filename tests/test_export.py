@@ -8,7 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv41.checkpoint import CheckpointError, GenerationConfig, load_model, load_weights, open_model_dir
+from dsv41.checkpoint import (
+    CheckpointError,
+    GenerationConfig,
+    engram_tables_file,
+    load_model,
+    load_weights,
+    open_model_dir,
+)
 from dsv41.config import config_to_dict, load_config
 from dsv41.export import Form, convert, export_model, parse_size, storage_layout
 from dsv41.model.quant import fp8_quant, quantize_weight_fp4, quantize_weight_fp8, unpack_e2m1
@@ -261,3 +268,10 @@ def test_a_tokenizer_that_does_not_fit_the_engram_vocabulary_is_named(tmp_path):
     convert(GOLDEN, tmp_path / "m")  # the golden vocabulary compresses by its own stub tokenizer
     with pytest.raises(CheckpointError, match="byte-level tokenizer.*engram_compressed_vocab_size 120"):
         load_model(tmp_path / "m")
+
+
+def test_the_engram_tables_file_is_the_one_that_holds_every_table(micro, sharded, tmp_path):
+    single, _ = export_model(micro, micro.config, tmp_path / "single")
+    assert engram_tables_file(single) == single.weights_files[0]
+    with pytest.raises(CheckpointError, match="must all be in one file; they are in model-0000"):
+        engram_tables_file(sharded)  # 300 KB shards split the two tables

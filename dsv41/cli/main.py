@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 
 from dsv41.cli.kv import kv
+from dsv41.cli.model import convert, generator, model_config, model_option
 from dsv41.cli.pipeline import COMMANDS
 from dsv41.cli.train import train
 from dsv41.config import BUILTIN_CONFIGS, ConfigError, ModelConfig, load_config
 
 CONFIG_HELP = f"Built-in config name ({', '.join(BUILTIN_CONFIGS)}) or path to a config.json."
+MODEL_HELP = "A model directory (config.json, weights, optional tokenizer.json), instead of --config."
 
 
 def _load(name: str) -> ModelConfig:
@@ -42,8 +45,9 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--config", "config_name", default="mini", show_default=True, help=CONFIG_HELP)
-def info(config_name: str) -> None:
+@click.option("--config", "config_name", help=f"{CONFIG_HELP}  [default: mini]")
+@model_option(MODEL_HELP)
+def info(config_name: str | None, model_path: Path | None) -> None:
     """Show the layer plan, parameter counts by part and global KV bytes per token.
 
     The model is built on the meta device, so even the official 750B-parameter config is
@@ -51,15 +55,16 @@ def info(config_name: str) -> None:
     """
     from dsv41.cli.report import info_report
 
-    click.echo(info_report(_load(config_name)))
+    click.echo(info_report(model_config(config_name, model_path, _load, "mini")))
 
 
 @cli.command("kv-budget")
-@click.option("--config", "config_name", default="mini", show_default=True, help=CONFIG_HELP)
+@click.option("--config", "config_name", help=f"{CONFIG_HELP}  [default: mini]")
+@model_option(MODEL_HELP)
 @click.option("--context", "contexts", multiple=True, type=click.IntRange(1),
               default=(4096, 32768, 131072, 1_000_000, 1_048_576), show_default=True,
               help="Context length(s) in tokens to total; repeat the option for several.")
-def kv_budget(config_name: str, contexts: tuple[int, ...]) -> None:
+def kv_budget(config_name: str | None, model_path: Path | None, contexts: tuple[int, ...]) -> None:
     """KV-cache bytes per token by group and part, and per-sequence totals by context length.
 
     Global KV (main + indexer, in the packed formats) grows with the context; SWA is bounded by
@@ -67,14 +72,15 @@ def kv_budget(config_name: str, contexts: tuple[int, ...]) -> None:
     """
     from dsv41.cli.report import kv_budget_report
 
-    click.echo(kv_budget_report(_load(config_name), list(contexts)))
+    click.echo(kv_budget_report(model_config(config_name, model_path, _load, "mini"), list(contexts)))
 
 
 @cli.command()
-@click.option("--config", "config_name", default="official", show_default=True, help=CONFIG_HELP)
+@click.option("--config", "config_name", help=f"{CONFIG_HELP}  [default: official]")
+@model_option(MODEL_HELP)
 @click.option("--context", "contexts", default="4096,1048576", show_default=True,
               help="Comma-separated context lengths.")
-def flops(config_name: str, contexts: str) -> None:
+def flops(config_name: str | None, model_path: Path | None, contexts: str) -> None:
     """Precision-weighted FLOPs of one decode token (BF16 1, FP8 0.5, FP4 0.25) by part.
 
     The last column compares each context with the first, next to the technical report's
@@ -89,7 +95,7 @@ def flops(config_name: str, contexts: str) -> None:
                                  param_hint="--context") from None
     if any(n < 1 for n in lengths):
         raise click.BadParameter("context lengths must be at least 1", param_hint="--context")
-    config = _load(config_name)
+    config = model_config(config_name, model_path, _load, "official")
     rows = [decode_token_flops(config, n) for n in lengths]
     parts = list(dict.fromkeys(p for r in rows for p in r.parts))
     click.echo(f"{'part (GFLOP, weighted)':<34}" + "".join(f"{r.context:>14,}" for r in rows))
@@ -103,7 +109,8 @@ def flops(config_name: str, contexts: str) -> None:
 
 @cli.command()
 @click.argument("prompt")
-@click.option("--config", "config_name", default="mini", show_default=True, help=CONFIG_HELP)
+@click.option("--config", "config_name", help=f"{CONFIG_HELP}  [default: mini]")
+@model_option(f"{MODEL_HELP} Its weights, tokenizer and EOS ids (generation_config.json) are used.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 4096),
               help="Tokens to generate.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0),
@@ -111,32 +118,30 @@ def flops(config_name: str, contexts: str) -> None:
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
               help="Nucleus sampling mass.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights and of sampling.")
-def generate(prompt: str, config_name: str, max_new_tokens: int, temperature: float, top_p: float,
-             seed: int) -> None:
+def generate(prompt: str, config_name: str | None, model_path: Path | None, max_new_tokens: int, temperature: float,
+             top_p: float, seed: int) -> None:
     """Generate a continuation of PROMPT in-process with the reference model.
 
-    Weights are seeded random values (no checkpoint is loaded yet) and text goes through the
-    byte-level tokenizer, so the output is not meaningful language: this exercises the full
-    40-layer forward end to end and reports its speed.
+    With --config the weights are seeded random values, so the output is not meaningful language:
+    this exercises the full forward end to end and reports its speed. With --model the directory's
+    weights and tokenizer are loaded.
     """
-    from dsv41.model.reference import Sampling, random_model
+    from dsv41.model.reference import Sampling
     from dsv41.model.reference import generate as run
-    from dsv41.model.tokenizer import byte_tokenizer, decode, encode
+    from dsv41.model.tokenizer import decode, encode
 
-    config = _load(config_name)
-    if config_name == "official":
-        raise click.ClickException("the official config is too large to materialise here; use mini or micro")
-    tok = byte_tokenizer(config.text_config.vocab_size)
+    source = generator(config_name, model_path, seed, _load)
+    config, tok = source.config, source.tokenizer
     ids = encode(tok, prompt)
     limit = config.text_config.max_position_embeddings
     if len(ids) + max_new_tokens > limit:
         raise click.ClickException(f"prompt ({len(ids)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the "
                                    f"context limit of {limit} tokens")
-    click.echo(f"building {config_name} with random weights (seed {seed})...", err=True)
-    model = random_model(config, seed)
+    click.echo(f"{source.what}...", err=True)
+    model = source.build()
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     start, out = time.perf_counter(), []
-    for token in run(model, ids, max_new_tokens, sampling, stop_ids=(config.eos_token_id,)):
+    for token in run(model, ids, max_new_tokens, sampling, stop_ids=source.stop_ids):
         out.append(token)
         click.echo(f"\r{len(out)}/{max_new_tokens} tokens", nl=False, err=True)
     elapsed = time.perf_counter() - start
@@ -181,6 +186,7 @@ def parity(folder: str, decode_mode: str, packed: bool, details: bool) -> None:
 
 
 cli.add_command(kv)
+cli.add_command(convert)
 cli.add_command(train)
 for command in COMMANDS:
     cli.add_command(command)

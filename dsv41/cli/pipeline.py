@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import zmq
 
+from dsv41.cli.model import model_option, open_model
 from dsv41.components.security import SecurityError, generate_keys
 from dsv41.pipelines.schema import (
     BUILTIN_PIPELINES,
@@ -42,6 +43,9 @@ runtime_dir_option = click.option(
     "--runtime-dir", type=click.Path(file_okay=False, resolve_path=True, path_type=Path),
     help="Directory for the ipc sockets and component logs (default: the pipeline's runtime_dir, else "
          "$XDG_RUNTIME_DIR/dsv41-UID/NAME, or /tmp/dsv41-UID/NAME without XDG_RUNTIME_DIR).")
+pipeline_model_option = model_option(
+    "Run this model directory (config.json, weights, optional tokenizer.json) instead of the pipeline's "
+    "model section; the engram component reads its tables from the weight file that holds them.")
 store_option = click.option(
     "--store", type=click.Path(file_okay=False, resolve_path=True, path_type=Path), envvar="DSV41_STORE",
     show_envvar=True, help='Folder of the persistent KV store, replacing store.path; "{pipeline}" in it becomes '
@@ -51,17 +55,23 @@ store_option = click.option(
 # --- shared helpers ------------------------------------------------------------------------------
 
 
-def _pipeline(source: str, store: Path | None = None) -> Pipeline:
-    """The pipeline `source` names, with --store applied; a bad file is a user error listing every problem."""
+def _pipeline(source: str, store: Path | None = None, model: Path | None = None) -> Pipeline:
+    """The pipeline `source` names, with --store and --model applied; a bad file or model directory
+    is a user error listing every problem."""
     try:
         pipeline = load_pipeline(source)
     except PipelineError as exc:
         raise click.ClickException(_problems(f"invalid pipeline {source}", exc)) from None
-    if store is None:
-        return pipeline
-    from dsv41.pipelines.launch import with_overrides
+    overrides = {"store": {"path": str(store)}} if store is not None else {}
+    if model is not None:
+        overrides["model"] = {"checkpoint": str(model)}
+    if overrides:
+        from dsv41.pipelines.launch import with_overrides
 
-    return with_overrides(pipeline, store={"path": str(store)})
+        pipeline = with_overrides(pipeline, **overrides)
+    if pipeline.model.checkpoint:
+        open_model(Path(pipeline.model.checkpoint).expanduser())
+    return pipeline
 
 
 def _problems(headline: str, exc: PipelineError) -> str:
@@ -140,11 +150,12 @@ def _placements(pipeline: Pipeline) -> str:
                    "(default: the pipeline's generation.prefill_mode).")
 @store_option
 @runtime_dir_option
+@pipeline_model_option
 @click.option("--json", "as_json", is_flag=True, help="Print nothing while generating, then one JSON object on "
               "stdout: the text, the token ids and every statistic of the request.")
 def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None, temperature: float | None,
         top_p: float | None, seed: int, prefill_mode: str | None, store: Path | None, runtime_dir: Path | None,
-        as_json: bool) -> None:
+        model_path: Path | None, as_json: bool) -> None:
     """Start PIPELINE, complete one prompt, and stop it again.
 
     PIPELINE is a built-in name or a pipeline file (default: local). The completion streams to stdout
@@ -159,7 +170,7 @@ def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None
       cat prompt.txt | dsv41 run my.yaml --file - --temperature 0.7 --seed 3
     """
     text = _prompt(prompt, prompt_file)
-    pipeline = _pipeline(source, store)
+    pipeline = _pipeline(source, store, model_path)
     given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
              "prefill_mode": prefill_mode}
     options = {k: getattr(pipeline.generation, k) if v is None else v for k, v in given.items()} | {"seed": seed}
@@ -238,7 +249,8 @@ def _summary(done: m.Finished) -> str:
 @click.argument("source", metavar="PIPELINE")
 @runtime_dir_option
 @store_option
-def serve(source: str, runtime_dir: Path | None, store: Path | None) -> None:
+@pipeline_model_option
+def serve(source: str, runtime_dir: Path | None, store: Path | None, model_path: Path | None) -> None:
     """Start PIPELINE and keep it up until SIGINT (Ctrl-C) or SIGTERM.
 
     Prints the endpoint of dspark, the component clients send requests to. Components that die are
@@ -250,7 +262,7 @@ def serve(source: str, runtime_dir: Path | None, store: Path | None) -> None:
       dsv41 serve local
       dsv41 serve my.yaml --runtime-dir /run/dsv41 --store /data/kv
     """
-    pipeline = _pipeline(source, store)
+    pipeline = _pipeline(source, store, model_path)
     with _running(pipeline, runtime_dir) as supervisor, _until_signal() as stop:
         endpoint = supervisor.endpoints["dspark"]
         click.echo(f"{pipeline.name} is up; clients connect to dspark at {endpoint}")
@@ -281,7 +293,9 @@ def _until_signal() -> Iterator[threading.Event]:
 @click.option("--pipeline", "source", required=True, metavar="PIPELINE", help=PIPELINE_HELP)
 @runtime_dir_option
 @store_option
-def component(name: str, source: str, runtime_dir: Path | None, store: Path | None) -> None:
+@pipeline_model_option
+def component(name: str, source: str, runtime_dir: Path | None, store: Path | None,
+              model_path: Path | None) -> None:
     """Run one component of a pipeline in the foreground, until SIGINT or SIGTERM.
 
     For pipelines split across machines, or to watch one component in a debugger: it binds the
@@ -296,7 +310,7 @@ def component(name: str, source: str, runtime_dir: Path | None, store: Path | No
     from dsv41.components.runtime import EndpointInUse
     from dsv41.pipelines.launch import LaunchError, prepare_runtime_dir
 
-    pipeline = _pipeline(source, store)
+    pipeline = _pipeline(source, store, model_path)
     directory = _runtime_dir(pipeline, runtime_dir)
     endpoint = _endpoints(pipeline, directory)[name]
     if endpoint.startswith("inproc://"):

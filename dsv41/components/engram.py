@@ -21,13 +21,15 @@ from dsv41.storage.engram_tables import EngramTables, write_tables
 
 
 def tables_path(context: ComponentContext) -> Path:
-    """The table file: the `tables` option, or one written once for random weights."""
+    """The table file: the `tables` option, the checkpoint's weight file that holds them, or one
+    written once for random weights."""
     given = context.option("engram", "tables", "")
     if given:
         return Path(str(given)).expanduser()
     if context.pipeline.model.checkpoint:
-        raise ValueError("with a checkpoint, set components.engram.options.tables to the safetensors file that "
-                         "holds the layers.*.engram.embed tensors")
+        from dsv41.checkpoint import engram_tables_file, open_model_dir
+
+        return engram_tables_file(open_model_dir(context.pipeline.model.checkpoint))
     spec = context.pipeline.model
     path = Path("~/.cache/dsv41/engram").expanduser() / f"{Path(spec.config).stem}-seed{spec.seed}.safetensors"
     if not path.exists():
