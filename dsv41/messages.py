@@ -5,13 +5,16 @@ msgpack encoding, and each tensor travels as its own frame described in the body
 (dtype from a whitelist, shape, frame index, byte length), so large activations are never copied
 into msgpack and never pickled. `decode` is the only way in: it turns every malformed, oversized,
 mistyped or inconsistent message into a `MessageError` whose text names the problem, so a receiver
-answers with an `Error` and keeps serving.
+answers with an `Error` and keeps serving. Sizes have two bounds: the static `Meta` caps below (the
+architecture's limits) and a `Limits` table of the largest legitimate message of each kind for one
+model (`dsv41.components.limits`), which `decode` checks and the sockets' MAXMSGSIZE enforces.
 
 Wire evolution: new fields go last with defaults; `PROTOCOL_VERSION` changes when that is not enough.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from enum import IntEnum
 from typing import Annotated, Any
 
@@ -19,13 +22,18 @@ import msgspec
 import numpy as np
 import torch
 
+from dsv41.pipelines.schema import MAX_TEMPERATURE
+
 PROTOCOL_VERSION = 1
 MAX_FRAMES = 64
 MAX_DIMS = 8
 MAX_TENSOR_BYTES = 1 << 31
-MAX_MESSAGE_BYTES = 1 << 31  # ZMQ_MAXMSGSIZE on every socket
 MAX_TOKENS = 1 << 20  # the longest context of the architecture
-MAX_TEXT = 1 << 24
+TEXT_BYTES_PER_TOKEN = 4  # UTF-8 bytes of text per token a prompt may bring (the byte tokenizer needs 1)
+MAX_TEXT = TEXT_BYTES_PER_TOKEN * MAX_TOKENS
+# MAXMSGSIZE and per-kind limit of sockets made without a model's limits (tools, tests): every message
+# of the `micro`/`mini` test models at their test sizes fits.
+DEFAULT_MAX_BYTES = 64 << 20
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -39,6 +47,7 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 ShortText = Annotated[str, msgspec.Meta(max_length=4096)]
 TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOKENS)]  # int32 little-endian ids
 Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+Positions = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]  # sequence lengths and capacities
 Counters = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Count], msgspec.Meta(max_length=256)]
 
 
@@ -61,6 +70,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 8  # the component failed on this request
     SHUTTING_DOWN = 9
     CAPACITY = 10  # the component's global KV page pool cannot hold this request now
+    TOO_LARGE = 11  # bigger than any legitimate message of its kind for this model
 
 
 class FinishReason(IntEnum):
@@ -120,7 +130,7 @@ class Generate(Message):
     prompt: Text = ""
     ids: TokenBytes = b""  # used instead of the prompt when not empty
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] = 64
-    temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=MAX_TEMPERATURE)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
     prefill_mode: Annotated[str, msgspec.Meta(pattern="^(ced|exact|full)$")] = "ced"
@@ -174,7 +184,7 @@ class Prefill(Message):
     request_id: RequestId
     ids: TokenBytes
     mode: Annotated[str, msgspec.Meta(pattern="^(ced|exact|full)$")] = "ced"
-    capacity: Count = 0  # cache positions to reserve; 0: prompt + a default margin
+    capacity: Positions = 0  # cache positions to reserve; 0: prompt + a default margin
     engram_prefetch: bool = False  # rows arrive from the engram component
 
 
@@ -236,8 +246,8 @@ class DecoderPrefill(Message):
     entries), and the encoder output streams the decoder replay starts from."""
 
     request_id: RequestId
-    length: Count
-    capacity: Count
+    length: Positions
+    capacity: Positions
     starts: Annotated[list[Count], msgspec.Meta(max_length=64)]  # first position per decoder layer
     kv_from: Count  # first entry in main_kv/index_k (entries before it are already there)
     main_kv: Tensor
@@ -251,7 +261,7 @@ class DecoderStep(Message):
     start: Count
     streams: Tensor
     pre_mix: Tensor
-    capacity: Count = 0  # > 0: first chunk of a `full` prefill; allocate the sequence with this capacity
+    capacity: Positions = 0  # > 0: first chunk of a `full` prefill; allocate the sequence with this capacity
 
 
 class Logits(Message):
@@ -372,6 +382,44 @@ TYPES: dict[KIND, type[Message]] = {
     KIND.PUT_BLOCKS: PutBlocks, KIND.STORED: Stored,
 }
 KIND_OF = {t: k for k, t in TYPES.items()}
+# What each component answers with (besides Error and Pong): its callers' sockets are sized for these.
+REPLIES: dict[str, frozenset[KIND]] = {
+    "tokenizer": frozenset({KIND.TOKENS, KIND.DETOKENIZED}),
+    "engram": frozenset(),
+    "encoder": frozenset({KIND.LOGITS, KIND.BATCH_LOGITS, KIND.ACK}),
+    "decoder": frozenset({KIND.LOGITS, KIND.BATCH_LOGITS, KIND.ACK}),
+    "dspark": frozenset({KIND.TOKEN, KIND.FINISHED}),
+    "kvstore": frozenset({KIND.LOOKUP_RESULT, KIND.BLOCKS, KIND.STORED}),
+}
+
+
+class Limits:
+    """The largest legitimate size in bytes (body and frames) of each kind of message. A socket's
+    MAXMSGSIZE is the largest over the kinds it receives; `decode` holds each message to its kind's."""
+
+    def __init__(self, by_kind: Mapping[KIND, int]):
+        if set(by_kind) != set(KIND):
+            raise ValueError(f"limits for {sorted(set(KIND) - set(by_kind))} are missing")
+        self.by_kind = dict(by_kind)
+
+    @classmethod
+    def flat(cls, nbytes: int) -> Limits:
+        return cls(dict.fromkeys(KIND, nbytes))
+
+    def largest(self, kinds: Iterable[KIND]) -> int:
+        return max((self.by_kind[k] for k in kinds), default=0)
+
+    def replies_of(self, component: str) -> int:
+        """MAXMSGSIZE for a socket that calls `component` (a name outside REPLIES: any kind)."""
+        return self.largest(REPLIES.get(component, frozenset(KIND)) | {KIND.ERROR, KIND.PONG})
+
+    def check(self, kind: KIND, nbytes: int) -> None:
+        if nbytes > self.by_kind[kind]:
+            raise MessageError(ErrorCode.TOO_LARGE, f"a {TYPES[kind].__name__} of {nbytes} bytes is over the "
+                                                    f"{self.by_kind[kind]} bytes any legitimate one takes")
+
+
+DEFAULT_LIMITS = Limits.flat(DEFAULT_MAX_BYTES)
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {k: msgspec.msgpack.Decoder(t) for k, t in TYPES.items()}
 _TENSOR_FIELDS = {
@@ -396,13 +444,26 @@ class Frames:
 
 
 def encode(message: Message, frames: Frames | None = None) -> list:
-    """Wire frames of a message: [kind byte, msgpack body, *tensor buffers] (buffers not copied)."""
-    return [bytes([KIND_OF[type(message)]]), _ENCODER.encode(message), *(frames.buffers if frames else [])]
+    """Wire frames of a message: [kind byte, msgpack body, *tensor buffers] (buffers not copied). Text
+    that is not valid Unicode (lone surrogates, e.g. undecodable bytes of a command line) is refused."""
+    try:
+        body = _ENCODER.encode(message)
+    except UnicodeEncodeError as e:
+        raise MessageError(ErrorCode.INVALID_REQUEST, f"{type(message).__name__} holds text that is not valid "
+                                                      f"Unicode: {e.reason} at character {e.start}") from None
+    return [bytes([KIND_OF[type(message)]]), body, *(frames.buffers if frames else [])]
 
 
-def decode(parts: list, accept: frozenset[KIND] | None = None) -> tuple[Message, list[memoryview]]:
+def encoded_size(parts: list) -> int:
+    """Bytes of a message's frames, as `encode` returns them or as received."""
+    return sum(memoryview(p.buffer if hasattr(p, "buffer") else p).nbytes for p in parts)
+
+
+def decode(parts: list, accept: frozenset[KIND] | None = None,
+           limits: Limits = DEFAULT_LIMITS) -> tuple[Message, list[memoryview]]:
     """Check and decode wire frames; returns the message and its tensor frames.
-    Raises MessageError, and nothing else, for anything that does not fit."""
+    Raises MessageError, and nothing else, for anything that does not fit (its kind's size in `limits`
+    is checked before the body is decoded)."""
     if len(parts) < 2 or len(parts) > MAX_FRAMES + 2:
         raise MessageError(ErrorCode.MALFORMED, f"a message has 2..{MAX_FRAMES + 2} frames, got {len(parts)}")
     head, body, *tensors = (memoryview(p.buffer if hasattr(p, "buffer") else p) for p in parts)
@@ -411,6 +472,7 @@ def decode(parts: list, accept: frozenset[KIND] | None = None) -> tuple[Message,
     kind = KIND(head[0])
     if accept is not None and kind not in accept:
         raise MessageError(ErrorCode.UNEXPECTED, f"this component does not take {TYPES[kind].__name__} messages")
+    limits.check(kind, encoded_size(parts))
     try:
         message = _DECODERS[kind].decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError, ValueError) as e:
@@ -465,10 +527,17 @@ def pack_ids(ids: list[int] | torch.Tensor) -> bytes:
     return array.astype("<i4").tobytes()
 
 
-def unpack_ids(data: bytes) -> list[int]:
+def unpack_ids(data: bytes, vocab_size: int | None = None) -> list[int]:
+    """Token ids from their wire bytes; with `vocab_size`, ids outside [0, vocab_size) are an invalid
+    request here rather than an index error deep inside the model."""
     if len(data) % 4:
         raise MessageError(ErrorCode.MALFORMED, f"token id bytes must be a multiple of 4, got {len(data)}")
-    return np.frombuffer(data, dtype="<i4").tolist()
+    array = np.frombuffer(data, dtype="<i4")
+    if vocab_size is not None and array.size and (array.min() < 0 or array.max() >= vocab_size):
+        bad = int(array[(array < 0) | (array >= vocab_size)][0])
+        raise MessageError(ErrorCode.INVALID_REQUEST, f"token id {bad} is out of range: ids must be in "
+                                                      f"[0, {vocab_size}) (the model's vocabulary)")
+    return array.tolist()
 
 
 def error_reply(request_id: int, code: ErrorCode, component: str, text: str) -> Error:

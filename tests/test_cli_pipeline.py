@@ -129,6 +129,55 @@ def test_run_rejects_bad_requests_before_starting_anything(tmp_path):
     assert result.exit_code == 1 and "not a built-in pipeline name" in result.output
 
 
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--temperature", "nan", "Invalid value for '--temperature': 'nan' is not a number"),
+    ("--temperature", "inf", "Invalid value for '--temperature': inf is not in the range 0.0<=x<=100.0"),
+    ("--temperature", "-1", "Invalid value for '--temperature': -1.0 is not in the range 0.0<=x<=100.0"),
+    ("--top-p", "nan", "Invalid value for '--top-p': 'nan' is not a number"),
+    ("--top-p", "0", "Invalid value for '--top-p': 0.0 is not in the range 0.0<x<=1.0"),
+    ("--top-p", "1.5", "Invalid value for '--top-p': 1.5 is not in the range 0.0<x<=1.0"),
+])
+@pytest.mark.parametrize("command", [("run", "inproc", "--prompt"), ("generate",)])
+def test_sampling_options_outside_their_range_are_refused(command, option, value, message):
+    result = invoke(*command, "Hello", option, value)
+    assert result.exit_code == 2 and message in result.output
+
+
+@pytest.mark.timeout(30)
+def test_a_prompt_that_is_not_utf8_is_refused_before_anything_starts(tmp_path, runtime_dir):
+    """Bytes that are not UTF-8 reach the command as lone surrogates (surrogateescape)."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"ok \xff\xfe")
+    for args, message in (([b"--prompt", b"ok \xff\xfe"], "Invalid value for --prompt: not valid UTF-8 text (byte "
+                                                           "0xff at character 3)"),
+                          ([b"--file", bytes(bad)], "Invalid value for --file: not valid UTF-8 text (byte 0xff at "
+                                                    "byte 3)")):
+        done = subprocess.run([sys.executable, "-c", "from dsv41.cli.main import cli; cli(prog_name='dsv41')", "run",
+                               "inproc", "--runtime-dir", str(runtime_dir), *args], capture_output=True, timeout=30)
+        assert done.returncode == 2 and message in done.stderr.decode(), done.stderr.decode()
+        assert b"Traceback" not in done.stderr and b"starting" not in done.stderr
+    assert list(runtime_dir.iterdir()) == []
+
+
+@pytest.mark.timeout(30)
+def test_validate_refuses_an_alias_bomb_and_invalid_fields_by_name(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("l0: &l0 [lol, lol]\n" + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n"
+                                                     for i in range(1, 10)))  # 2 * 9^9 strings once expanded
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(load_text("local").replace("  encoder: {}", "  encoder: {options: {threads: -1}}")
+                   .replace("  decoder: {}", "  decoder: {options: {kv_pages: -5}}"))
+    result = invoke("pipeline", "validate", str(bomb), str(bad))
+    assert result.exit_code == 1
+    assert f"{bomb}:1: invalid YAML: anchors and aliases (&name, *name) are not supported" in result.output
+    assert "components.encoder.options.threads: expected `int` >= 1 (value -1)" in result.output
+    assert "components.decoder.options.kv_pages: expected `int` >= 1 (value -5)" in result.output
+
+
+def load_text(name: str) -> str:
+    return invoke("pipeline", "show", name).output
+
+
 @pytest.mark.timeout(60)
 def test_component_serves_in_the_foreground_and_status_sees_it(tmp_path, runtime_dir):
     proc = start_cli("component", "kvstore", "--pipeline", "local", "--runtime-dir", str(runtime_dir),

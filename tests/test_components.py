@@ -11,9 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from dsv41 import messages as m
+from dsv41.components.limits import pipeline_limits
 from dsv41.components.runtime import ComponentError, Peer, new_request_id
+from dsv41.config import load_config
 from dsv41.engine.core import InferenceCore
 from dsv41.model.pages import PAGE_ENTRIES
 from dsv41.model.reference import random_model
@@ -159,6 +163,10 @@ def test_engram_pushes_the_rows_the_model_would_look_up(running, model, rng):
     with pytest.raises(ComponentError) as e:  # a window that misses the n-gram look-back
         peer.call(m.EngramPrefetch(request_id=9, ids=m.pack_ids(ids[35:]), offset=35, start=36))
     assert e.value.code == m.ErrorCode.INVALID_REQUEST
+    with pytest.raises(ComponentError) as e:  # ids past the vocabulary (320) never reach the hasher
+        peer.call(m.EngramPrefetch(request_id=10, ids=m.pack_ids([5, 320]), offset=0, start=0))
+    assert (e.value.code, e.value.text) == (m.ErrorCode.INVALID_REQUEST, "token id 320 is out of range: ids must "
+                                                                         "be in [0, 320) (the model's vocabulary)")
 
 
 def _wait_for(condition, timeout_s: float = 30.0) -> None:
@@ -400,6 +408,10 @@ def test_dspark_schedules_decoding_and_fails_requests_alone(running):
     with pytest.raises(ComponentError) as e:
         list(peer.stream(m.Generate(request_id=6, ids=m.pack_ids([42]), max_new_tokens=4096)))
     assert e.value.code == m.ErrorCode.INVALID_REQUEST and "context limit" in e.value.text
+    with pytest.raises(ComponentError) as e:
+        list(peer.stream(m.Generate(request_id=9, ids=m.pack_ids([5, 1 << 20]))))
+    assert (e.value.code, e.value.component) == (m.ErrorCode.INVALID_REQUEST, "dspark")
+    assert "token id 1048576 is out of range: ids must be in [0, 320)" in e.value.text
     steps.clear()
     steps.extend([None] * 31)  # the prefill makes 42 the greedy token: its step fails downstream
     with pytest.raises(ComponentError) as e:
@@ -437,6 +449,86 @@ def test_encoder_steps_a_batch_and_reports_the_requests_it_cannot_step(running, 
     frames = [memoryview(f) for f in frames]
     assert (sent.request_ids, sent.starts, sent.sizes) == ([51, 52], [9, 30], [1, 2])
     assert torch.equal(m.tensor(sent.streams, frames), x) and torch.equal(m.tensor(sent.pre_mix, frames), pre_mix)
+
+
+def test_encoder_refuses_ids_steps_and_capacities_out_of_range_before_computing(running):
+    r = running("encoder")
+    decoder = r.stand_in("decoder", _logits_answer(320))
+    peer = r.start()
+    refused = [
+        (m.Prefill(request_id=70, ids=m.pack_ids([5, 320])), "token id 320 is out of range: ids must be in [0, 320)"),
+        (m.Prefill(request_id=71, ids=m.pack_ids([5]), capacity=4097), "capacity 4097 is over the context limit of "
+                                                                        "4096 positions"),
+        (m.Step(request_id=72, ids=(-3).to_bytes(4, "little", signed=True)), "token id -3 is out of range"),
+        (m.Step(request_id=73, ids=m.pack_ids([4] * 6)), "a step of 6 tokens; a step carries 1..5"),  # block 4
+    ]
+    for message, text in refused:
+        with pytest.raises(ComponentError) as e:
+            peer.call(message)
+        assert (e.value.code, e.value.component) == (m.ErrorCode.INVALID_REQUEST, "encoder")
+        assert text in e.value.text
+    answer, _ = peer.call(m.BatchStep(request_id=74, items=[m.StepItem(request_id=75, ids=m.pack_ids([999]))]))
+    assert [(e.request_id, e.code) for e in answer.errors] == [(75, m.ErrorCode.INVALID_REQUEST)]
+    counters = peer.ping().counters
+    assert counters.get("internal_errors", 0) == 0 and decoder.received == []
+
+
+def test_tokenizer_bounds_what_a_hostile_sender_costs(running, placement):
+    """Micro's context is 4096 tokens: the tokenizer's socket takes 80 KiB (a 16 KiB text plus the
+    msgpack allowance), a Ping 64 KiB; anything bigger costs the sender its connection (ipc) or gets
+    an error reply, and the tokenizer's memory stays flat."""
+    r = running("tokenizer")
+    peer = r.start()
+    with pytest.raises(ComponentError) as e:
+        peer.call(m.Detokenize(request_id=_rid(), ids=m.pack_ids([65, 320])))
+    assert (e.value.code, e.value.text) == (m.ErrorCode.INVALID_REQUEST, "token id 320 is out of range: ids must "
+                                                                         "be in [0, 320) (the model's vocabulary)")
+    with pytest.raises(ComponentError) as e:  # fits the socket, cannot fit the context: refused before encoding
+        peer.call(m.Tokenize(request_id=_rid(), text="é" * 4097))
+    assert e.value.code == m.ErrorCode.INVALID_REQUEST and "4097 characters cannot fit the context of 4096" in \
+        e.value.text
+    limits = pipeline_limits(load_config("micro"), r.pipeline)
+    caller = Peer(r.endpoints["tokenizer"], "tokenizer", limits=limits)
+    r.peers.append(caller)
+    with pytest.raises(ComponentError) as e:  # refused by the caller before it is sent
+        caller.call(m.Tokenize(request_id=_rid(), text="x" * (100 << 10)))
+    assert e.value.code == m.ErrorCode.TOO_LARGE and "over the 81920 bytes" in e.value.text
+
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    monitor = raw.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        raw.connect(r.endpoints["tokenizer"])
+        raw.send_multipart([bytes([m.KIND.PING]), b"\x00" * (70 << 10)])  # under the socket's cap, over a Ping's
+        assert raw.poll(10_000), "no reply to an oversized Ping"
+        error, _ = m.decode(raw.recv_multipart())
+        assert error.code == m.ErrorCode.TOO_LARGE
+        assert error.text == f"a Ping of {1 + (70 << 10)} bytes is over the 65536 bytes any legitimate one takes"
+        huge = [bytes([m.KIND.TOKENIZE]), b"\xa5" * (64 << 20)]  # 64 MiB: over the socket's cap
+        if placement == "thread":  # inproc moves messages without a size check: the decode limit answers
+            raw.send_multipart(huge)
+            assert raw.poll(10_000), "no reply to an oversized Tokenize"
+            assert m.decode(raw.recv_multipart())[0].code == m.ErrorCode.TOO_LARGE
+        else:
+            before = _peak_rss(r.child.pid)
+            raw.send_multipart(huge)
+            assert monitor.poll(10_000), "the oversized sender was not disconnected"
+            assert parse_monitor_message(monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED
+            assert _peak_rss(r.child.pid) - before < 16 << 20  # refused from its size header, never received
+    finally:
+        raw.disable_monitor()
+        monitor.close(0)
+        raw.close(0)
+    reply, _ = peer.call(m.Tokenize(request_id=_rid(), text="still here"))
+    assert m.unpack_ids(reply.ids) == encode(byte_tokenizer(320), "still here")
+
+
+def _peak_rss(pid: int) -> int:
+    """Peak resident memory of a process, in bytes (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
 
 
 def test_dspark_streams_text_whole_characters(running):

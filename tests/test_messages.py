@@ -442,6 +442,64 @@ def test_ids_out_of_range_are_refused(ids):
     assert "token ids must be in [0, 2^31)" in str(info.value)
 
 
+@pytest.mark.parametrize(("ids", "bad"), [([0, 320], 320), ([5, -1, 400], -1), ([2**31 - 1], 2**31 - 1)])
+def test_ids_outside_the_vocabulary_are_an_invalid_request(ids, bad):
+    packed = np.asarray(ids, dtype="<i4").tobytes()
+    with pytest.raises(m.MessageError) as info:
+        m.unpack_ids(packed, vocab_size=320)
+    assert info.value.code == m.ErrorCode.INVALID_REQUEST
+    assert str(info.value) == f"token id {bad} is out of range: ids must be in [0, 320) (the model's vocabulary)"
+    assert m.unpack_ids(m.pack_ids([0, 319]), vocab_size=320) == [0, 319]
+
+
+# --- sampling and capacities ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("field", "value", "bound"), [
+    ("temperature", float("nan"), ">= 0.0"), ("temperature", float("inf"), "<= 100.0"), ("temperature", -0.5, ">= 0.0"),
+    ("temperature", 101.0, "<= 100.0"), ("top_p", 0.0, "> 0.0"), ("top_p", float("nan"), "> 0.0"),
+    ("top_p", 1.5, "<= 1.0"),
+])
+def test_sampling_outside_its_range_is_malformed(field, value, bound):
+    parts = _wire(m.encode(m.Generate(request_id=1, prompt="x", **{field: value})))  # structs check on decode only
+    position = m.Generate.__struct_fields__.index(field)
+    _raises(parts, m.ErrorCode.MALFORMED, f"malformed Generate: Expected `float` {bound} - at `$[{position}]`")
+
+
+@pytest.mark.parametrize("message", [
+    m.Prefill(request_id=1, ids=m.pack_ids([1]), capacity=1 << 61),
+    m.DecoderStep(request_id=1, start=0, streams=m.Tensor("uint8", [0], 0, 0), pre_mix=m.Tensor("uint8", [0], 1, 0),
+                  capacity=m.MAX_TOKENS + 1),
+])
+def test_capacities_past_the_longest_context_are_malformed(message):
+    frames = [b""] * len(m._descriptors(message))
+    _raises([*_wire(m.encode(message)), *frames], m.ErrorCode.MALFORMED, f"<= {m.MAX_TOKENS}")
+
+
+# --- sizes ------------------------------------------------------------------------------------------
+
+def test_a_message_over_its_kinds_limit_is_too_large_before_it_is_decoded():
+    limits = m.Limits({**m.DEFAULT_LIMITS.by_kind, m.KIND.TOKENIZE: 100})
+    fits = _wire(m.encode(m.Tokenize(request_id=1, text="x" * 80)))
+    assert m.decode(fits, limits=limits)[0].text == "x" * 80
+    for parts in ([fits[0], b"\xc1" * 101], [*fits, b"y" * 30]):  # undecodable body; extra frames count too
+        with pytest.raises(m.MessageError) as info:
+            m.decode(parts, limits=limits)
+        assert info.value.code == m.ErrorCode.TOO_LARGE
+        assert f"a Tokenize of {m.encoded_size(parts)} bytes is over the 100 bytes" in str(info.value)
+
+
+def test_text_that_is_not_unicode_cannot_be_encoded():
+    with pytest.raises(m.MessageError) as info:
+        m.encode(m.Generate(request_id=1, prompt="ok \udcff\udcfe"))
+    assert info.value.code == m.ErrorCode.INVALID_REQUEST
+    assert "Generate holds text that is not valid Unicode: surrogates not allowed at character 3" in str(info.value)
+
+
+def test_limits_cover_every_kind():
+    with pytest.raises(ValueError, match="are missing"):
+        m.Limits({m.KIND.PING: 10})
+
+
 # --- no pickle anywhere (T13) ---------------------------------------------------------------------
 
 UNSAFE = re.compile(r"\b(?:c?[pP]ickle|_pickle|cloudpickle|dill)\b|recv_pyobj|send_pyobj|allow_pickle\s*=\s*True|"

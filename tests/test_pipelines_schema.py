@@ -2,9 +2,11 @@ from pathlib import Path
 
 import pytest
 
+from dsv41.config import BUILTIN_CONFIGS
 from dsv41.pipelines.schema import (
     BUILTIN_PIPELINES,
     COMPONENTS,
+    MAX_FILE_BYTES,
     GenerationSpec,
     PipelineError,
     SecuritySpec,
@@ -142,7 +144,7 @@ def test_every_problem_of_a_file_is_reported_at_once_in_file_order(tmp_path):
         "3: model.seed: expected `int` >= 0 (value -1)",
         "4: components.encoder: missing component; a pipeline lists all of tokenizer, engram, encoder, decoder, "
         "dspark, kvstore",
-        "6: components.engram.options.prefetch: expected `bool | int | float | str`, got `array` (value [1])",
+        "6: components.engram.options.prefetch: expected `bool`, got `array` (value [1])",
         "7: components.encodr: unknown component; expected one of tokenizer, engram, encoder, decoder, dspark, "
         "kvstore",
         "9: components.dspark.endpoint: binding a non-loopback address ('tcp://0.0.0.0:5555') without CURVE keys is "
@@ -238,9 +240,113 @@ def test_duplicate_yaml_keys_are_refused(tmp_path):
     assert found == [f"{tmp_path / 'p.yaml'}:11: name: duplicate key (first at line 1)"]
 
 
-def test_recursive_aliases_are_refused(tmp_path):
-    (found,) = problems(tmp_path, with_lines(VALID, model="model: &m", seed="  seed: *m"))
-    assert found.endswith("p.yaml:3: model.seed: recursive alias")
+BOMB = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10))
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(("text", "line"), [
+    (with_lines(VALID, model="model: &m", seed="  seed: *m"), 2),  # a recursive alias
+    ("l0: &l0 [lol, lol]\n" + BOMB, 1),  # billion laughs: 2 * 9^9 strings once expanded
+    (with_lines(VALID, seed="  seed: &s 1") + "other: *s\n", 3),  # an anchor is refused where it is set
+])
+def test_anchors_and_aliases_are_refused_before_anything_expands(tmp_path, text, line):
+    (found,) = problems(tmp_path, text)
+    assert found.endswith(f"p.yaml:{line}: invalid YAML: anchors and aliases (&name, *name) are not supported; "
+                          "write the values out")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("nested", ["[" * 5000 + "]" * 5000, "{a: " * 5000 + "1" + "}" * 5000,
+                                    "".join(f"{'  ' * i}k:\n" for i in range(200)) + "  " * 200 + "k: 1"])
+def test_deep_nesting_is_refused_without_recursing(tmp_path, nested):
+    (found,) = problems(tmp_path, "name: " + nested + "\n" if nested[0] in "[{" else nested + "\n")
+    assert "invalid YAML: nested more than 16 levels deep" in found
+
+
+def test_a_file_over_the_size_limit_is_not_read(tmp_path):
+    (found,) = problems(tmp_path, VALID + "#" * MAX_FILE_BYTES)
+    assert found.endswith(f"p.yaml: the file is over {MAX_FILE_BYTES} bytes; a pipeline file is a few KB")
+
+
+def test_component_options_are_checked_by_name_type_and_range(tmp_path):
+    text = with_lines(VALID, encoder="  encoder: {options: {threads: -1, kv_pages: -5}}",
+                      decoder="  decoder: {options: {kv_pages: 1099511627776, threads: 2.5}}",
+                      engram="  engram: {options: {rows_timeout_s: .inf, colour: red, tables: null}}",
+                      dspark="  dspark: {options: {kv_pages: 4}}")
+    found = [line.split("p.yaml:", 1)[1] for line in problems(tmp_path, text)]
+    assert found == [
+        "6: components.engram.options.rows_timeout_s: expected `float` <= 600.0 (value inf)",
+        "6: components.engram.options.colour: unknown field; expected one of threads, prefetch, tables, rows_timeout_s",
+        "6: components.engram.options.tables: expected `str`, got `null` (value None)",
+        "7: components.encoder.options.threads: expected `int` >= 1 (value -1)",
+        "7: components.encoder.options.kv_pages: expected `int` >= 1 (value -5)",
+        f"8: components.decoder.options.kv_pages: expected `int` <= {1 << 24} (value 1099511627776)",
+        "8: components.decoder.options.threads: expected `int`, got `float` (value 2.5)",
+        "9: components.dspark.options.kv_pages: unknown field; expected one of threads",
+    ]
+
+
+def test_numbers_have_finite_ranges(tmp_path):
+    text = VALID + ("store:\n  capacity_gib: 2305843009213693952\n  swa_pool_gib: .inf\n"
+                    "generation:\n  temperature: .nan\n  top_p: .inf\n  request_timeout_s: .inf\n")
+    found = [line.split("p.yaml:", 1)[1] for line in problems(tmp_path, text)]
+    assert found == [
+        "12: store.capacity_gib: expected `float` <= 16384.0 (value 2305843009213693952)",
+        "13: store.swa_pool_gib: expected `float` <= 1024.0 (value inf)",
+        "15: generation.temperature: expected `float` >= 0.0 (value nan)",
+        "16: generation.top_p: expected `float` <= 1.0 (value inf)",
+        "17: generation.request_timeout_s: expected `float` <= 86400.0 (value inf)",
+    ]
+
+
+def test_missing_config_checkpoint_and_keys_are_refused(tmp_path):
+    text = with_lines(VALID, seed=f"  config: {tmp_path}/none.json\n  checkpoint: {tmp_path}/ckpt") + \
+        f"security:\n  keys_dir: {tmp_path}/keys\n"
+    found = [line.split("p.yaml:", 1)[1] for line in problems(tmp_path, text)]
+    assert found == [
+        f"3: model.config: no such config file '{tmp_path}/none.json'; a built-in config "
+        f"({', '.join(BUILTIN_CONFIGS)}) or a config.json path",
+        f"4: model.checkpoint: no such directory '{tmp_path}/ckpt'",
+        f"13: security.keys_dir: no such directory '{tmp_path}/keys'",
+    ]
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "none.json").write_text("{}")
+    assert load_pipeline(tmp_path / "p.yaml").model.checkpoint == f"{tmp_path}/ckpt"
+
+
+@pytest.mark.parametrize(("field", "line"), [("runtime_dir: /run/a/../b", 11), ("store: {path: ../kv}", 11)])
+def test_dot_dot_is_refused_in_directories_dsv41_writes(tmp_path, field, line):
+    (found,) = problems(tmp_path, VALID + field + "\n")
+    assert found.endswith(f"p.yaml:{line}: {field.split(':')[0].replace('store', 'store.path')}: '..' is not "
+                          "allowed in a directory dsv41 creates and writes; write the path without it")
+
+
+@pytest.mark.parametrize("endpoint", ["ipc://../up.sock", "ipc://a/../../up.sock", "ipc:///run/x/../y.sock"])
+def test_dot_dot_is_refused_in_ipc_paths(tmp_path, endpoint):
+    (found,) = problems(tmp_path, endpoints(encoder=endpoint))
+    assert found.endswith(f"p.yaml:7: components.encoder.endpoint: Invalid endpoint '{endpoint}': '..' in the "
+                          "socket path; a relative path stays inside the runtime directory")
+
+
+@pytest.mark.parametrize(("by_component", "shared"), [
+    ({"encoder": "ipc://tokenizer.sock"}, "$RUNTIME_DIR/tokenizer.sock"),  # the tokenizer's auto socket
+    ({"encoder": "ipc://a.sock", "dspark": "ipc://./a.sock"}, "$RUNTIME_DIR/a.sock"),
+    ({"encoder": "ipc:///tmp/s.sock", "dspark": "ipc:///tmp//s.sock"}, "/tmp/s.sock"),
+])
+def test_two_components_on_one_ipc_socket_are_refused(tmp_path, by_component, shared):
+    (found,) = problems(tmp_path, endpoints(**by_component))
+    user = "encoder" if len(by_component) == 1 else "dspark"
+    owner = "tokenizer" if len(by_component) == 1 else "encoder"
+    assert found.endswith(f"components.{user}.endpoint: socket path {shared} is also used by components.{owner}")
+
+
+def test_launch_refuses_two_components_on_one_socket_once_the_runtime_dir_is_known(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(endpoints(dspark="ipc:///run/t/encoder.sock"))
+    with pytest.raises(PipelineError, match=r"components\.dspark\.endpoint: socket path /run/t/encoder\.sock is "
+                                            r"also used by components\.encoder"):
+        resolve_endpoints(load_pipeline(path), Path("/run/t"))
 
 
 def test_keys_yaml_reads_as_non_strings_are_refused(tmp_path):

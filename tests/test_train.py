@@ -32,8 +32,16 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
+def _invoke(args: list[str]):
+    threads = torch.get_num_threads()  # --threads sets it for the process; later tests keep theirs
+    try:
+        return CliRunner().invoke(cli, args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _train(corpus: Path, out: Path, *extra: str) -> list[dict]:
-    result = CliRunner().invoke(cli, ["train", *ARGS, "--corpus", str(corpus), "--out", str(out), *extra])
+    result = _invoke(["train", *ARGS, "--corpus", str(corpus), "--out", str(out), *extra])
     assert result.exit_code == 0, result.output
     return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
 
@@ -73,7 +81,7 @@ def test_resume_refuses_other_options(full_run, corpus, tmp_path):
     out, _ = full_run
     args = ["train", *ARGS, "--corpus", str(corpus), "--out", str(tmp_path), "--resume", str(out / "ckpt-000010.pt"),
             "--lr", "5e-3"]
-    result = CliRunner().invoke(cli, args)
+    result = _invoke(args)
     assert result.exit_code != 0 and "lr=0.01" in result.output
 
 

@@ -68,9 +68,10 @@ class Echo(Component):
 class Served:
     """A Server with its compute loop on a daemon thread."""
 
-    def __init__(self, endpoint: str, component: Echo | None = None, ctx: zmq.Context | None = None):
+    def __init__(self, endpoint: str, component: Echo | None = None, ctx: zmq.Context | None = None,
+                 limits: m.Limits = m.DEFAULT_LIMITS):
         self.component = component or Echo()
-        self.server = Server(self.component, endpoint, ctx=ctx)
+        self.server = Server(self.component, endpoint, ctx=ctx, limits=limits)
         self.thread = threading.Thread(target=self.server.run, name="echo-compute", daemon=True)
         self.thread.start()
 
@@ -97,8 +98,9 @@ class Net:
             return f"ipc://{self.root}/{name}.sock"
         return f"inproc://test-{name}-{uuid.uuid4().hex[:8]}"
 
-    def serve(self, endpoint: str, component: Echo | None = None, ctx: zmq.Context | None = None) -> Served:
-        served = Served(endpoint, component, ctx)
+    def serve(self, endpoint: str, component: Echo | None = None, ctx: zmq.Context | None = None,
+              limits: m.Limits = m.DEFAULT_LIMITS) -> Served:
+        served = Served(endpoint, component, ctx, limits)
         self.servers.append(served)
         return served
 
@@ -235,7 +237,7 @@ def test_make_socket_sets_the_limits():
     for kind in (zmq.ROUTER, zmq.DEALER):
         sock = make_socket(ctx, kind, f"inproc://limits-{uuid.uuid4().hex[:8]}", bind=kind == zmq.ROUTER)
         try:
-            assert sock.getsockopt(zmq.MAXMSGSIZE) == m.MAX_MESSAGE_BYTES
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == m.DEFAULT_MAX_BYTES
             assert sock.getsockopt(zmq.LINGER) == 200
             if kind == zmq.DEALER:
                 assert sock.getsockopt(zmq.IMMEDIATE) == 1
@@ -244,10 +246,9 @@ def test_make_socket_sets_the_limits():
 
 
 @pytest.mark.timeout(30)
-def test_oversized_message_drops_its_connection_only(net, monkeypatch):
-    monkeypatch.setattr(m, "MAX_MESSAGE_BYTES", 4096)
+def test_oversized_message_drops_its_connection_only(net):
     endpoint = net.endpoint("ipc")
-    net.serve(endpoint)
+    net.serve(endpoint, limits=m.Limits.flat(4096))
     peer = net.peer(endpoint)
     assert _echo_call(peer, "hello", 1) == list(b"hello")
     raw = net.raw(zmq.DEALER, endpoint)

@@ -9,7 +9,7 @@ import click
 
 from dsv41.cli.kv import kv
 from dsv41.cli.model import convert, generator, model_config, model_option
-from dsv41.cli.pipeline import COMMANDS
+from dsv41.cli.pipeline import COMMANDS, TEMPERATURE, TOP_P, checked_text
 from dsv41.cli.train import train
 from dsv41.config import BUILTIN_CONFIGS, ConfigError, ModelConfig, load_config
 
@@ -113,9 +113,9 @@ def flops(config_name: str | None, model_path: Path | None, contexts: str) -> No
 @model_option(f"{MODEL_HELP} Its weights, tokenizer and EOS ids (generation_config.json) are used.")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1, 4096),
               help="Tokens to generate.")
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0),
+@click.option("--temperature", default=0.0, show_default=True, type=TEMPERATURE,
               help="0 means greedy decoding.")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True),
+@click.option("--top-p", default=1.0, show_default=True, type=TOP_P,
               help="Nucleus sampling mass.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights and of sampling.")
 def generate(prompt: str, config_name: str | None, model_path: Path | None, max_new_tokens: int, temperature: float,
@@ -130,6 +130,7 @@ def generate(prompt: str, config_name: str | None, model_path: Path | None, max_
     from dsv41.model.reference import generate as run
     from dsv41.model.tokenizer import decode, encode
 
+    checked_text(prompt, "PROMPT")
     source = generator(config_name, model_path, seed, _load)
     config, tok = source.config, source.tokenizer
     ids = encode(tok, prompt)

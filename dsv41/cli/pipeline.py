@@ -8,6 +8,7 @@ help, `pipeline validate` and `keys` answer at once.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from dsv41.components.security import SecurityError, generate_keys
 from dsv41.pipelines.schema import (
     BUILTIN_PIPELINES,
     COMPONENTS,
+    MAX_TEMPERATURE,
     PIPELINE_DIR,
     Pipeline,
     PipelineError,
@@ -50,6 +52,34 @@ store_option = click.option(
     "--store", type=click.Path(file_okay=False, resolve_path=True, path_type=Path), envvar="DSV41_STORE",
     show_envvar=True, help='Folder of the persistent KV store, replacing store.path; "{pipeline}" in it becomes '
                            "the pipeline name.")
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan, which compares false with both bounds and would pass."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = super().convert(value, param, ctx)
+        if math.isnan(number):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return number
+
+
+TEMPERATURE = FiniteFloatRange(0.0, MAX_TEMPERATURE)
+TOP_P = FiniteFloatRange(0.0, 1.0, min_open=True)
+
+
+def checked_text(text: str, param_hint: str) -> str:
+    """`text` if it is valid Unicode that encodes as UTF-8. Bytes that are not UTF-8 reach a command
+    line argument as lone surrogates (surrogateescape), which no message can carry: they are refused
+    here, before anything starts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise click.BadParameter(f"not valid UTF-8 text ({what} at character {exc.start})",
+                                 param_hint=param_hint) from None
+    return text
 
 
 # --- shared helpers ------------------------------------------------------------------------------
@@ -139,9 +169,9 @@ def _placements(pipeline: Pipeline) -> str:
               help="Read the prompt from this file ('-' reads stdin).")
 @click.option("--max-new-tokens", type=click.IntRange(1),
               help="Most tokens to generate (default: the pipeline's generation.max_new_tokens).")
-@click.option("--temperature", type=click.FloatRange(0.0),
+@click.option("--temperature", type=TEMPERATURE,
               help="Sampling temperature; 0 is greedy (default: the pipeline's generation.temperature).")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True),
+@click.option("--top-p", type=TOP_P,
               help="Nucleus sampling mass (default: the pipeline's generation.top_p).")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
               help="Seed of sampling, so a sampled completion can be repeated.")
@@ -186,10 +216,14 @@ def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None
 def _prompt(prompt: str | None, prompt_file) -> str:
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give the prompt with either --prompt TEXT or --file FILE")
-    text = prompt if prompt is not None else prompt_file.read()
+    try:
+        text = prompt if prompt is not None else prompt_file.read()
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"not valid UTF-8 text (byte 0x{exc.object[exc.start]:02x} at byte {exc.start})",
+                                 param_hint="--file") from None
     if not text:
         raise click.BadParameter("the prompt is empty", param_hint="--prompt/--file")
-    return text
+    return checked_text(text, "--prompt")
 
 
 def _complete(supervisor: Supervisor, prompt: str, options: dict[str, Any],
@@ -444,8 +478,11 @@ def validate(sources: tuple[str, ...]) -> None:
     """Check pipeline files (or built-in names) without starting anything; exit 1 if any is invalid.
 
     Every problem of a file is listed at once, each as FILE:LINE: key.path: problem, so one round of
-    edits fixes them all: unknown or missing fields, values out of range, endpoints that do not parse,
-    placements that cannot reach their endpoints, duplicate endpoints, tcp without keys.
+    edits fixes them all: unknown or missing fields and component options, values out of range,
+    endpoints that do not parse, placements that cannot reach their endpoints, two components on one
+    endpoint or socket, '..' in socket paths and in the directories dsv41 writes, tcp without keys,
+    a config, checkpoint or keys directory that does not exist. YAML anchors and aliases, nesting
+    deeper than 16 levels and files over 1 MiB are refused before anything is read into memory.
     """
     invalid = 0
     for source in sources:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from dsv41 import messages as m
+from dsv41.components.limits import pipeline_limits
 from dsv41.components.runtime import Peer
 from dsv41.config import ModelConfig, load_config
 from dsv41.model.transformer import Transformer
@@ -36,7 +38,12 @@ class ComponentContext:
 
     def peer(self, name: str, timeout_s: float | None = None) -> Peer:
         return Peer(self.endpoints[name], name, self.keys_dir,
-                    timeout_s=timeout_s or self.pipeline.generation.request_timeout_s)
+                    timeout_s=timeout_s or self.pipeline.generation.request_timeout_s, limits=self.limits)
+
+    @cached_property
+    def limits(self) -> m.Limits:
+        """The largest legitimate message of each kind for this model and pipeline."""
+        return pipeline_limits(self.config, self.pipeline)
 
     @cached_property
     def config(self) -> ModelConfig:

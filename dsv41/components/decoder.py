@@ -32,6 +32,7 @@ class DecoderComponent(Component):
         plan = self.core.model.config.plan
         self.layers = {s.layer_id for s in plan.backbone if s.part is Part.DECODER}
         self.group = plan.decoder_start
+        self.limit = self.core.model.config.text_config.max_position_embeddings
         self.sequences = Sequences(context.pipeline.generation.request_timeout_s)
 
     @torch.inference_mode()
@@ -52,6 +53,9 @@ class DecoderComponent(Component):
     def _new_sequence(self, rid: int, capacity: int) -> Iterator[Sequence]:
         """A sequence for a request's first message; if that message fails, the sequence and its
         pages are dropped, so the request can be sent again."""
+        if capacity > self.limit:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"capacity {capacity} is over the context limit of "
+                                 f"{self.limit} positions")
         seq = Sequence(DecodeCache.allocate(self.core.model.config, 1, capacity, packed=True, layers=self.layers,
                                             pools=self.core.pools))
         self.sequences.add(rid, seq)

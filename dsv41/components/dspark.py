@@ -47,6 +47,7 @@ class DSparkComponent(Component):
         super().__init__()
         config = context.config
         self.limit, self.eos = config.text_config.max_position_embeddings, config.eos_token_id
+        self.vocab_size = config.text_config.vocab_size
         self.lookback = config.text_config.engram_max_ngram_size - 1
         self.prefetch = bool(context.option("engram", "prefetch", True)) and bool(config.text_config.engram_layer_ids)
         self.tokenizer, self.encoder = context.peer("tokenizer"), context.peer("encoder")
@@ -65,7 +66,7 @@ class DSparkComponent(Component):
 
     def _prompt_ids(self, message: m.Generate) -> list[int]:
         if message.ids:
-            return m.unpack_ids(message.ids)
+            return m.unpack_ids(message.ids, self.vocab_size)
         answer, _ = self.tokenizer.call(m.Tokenize(request_id=new_request_id(), text=message.prompt,
                                                    images=message.images))
         return m.unpack_ids(answer.ids)

@@ -18,6 +18,7 @@ import torch
 
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
+from dsv41.components.limits import step_tokens
 from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
 from dsv41.components.sequences import Sequences, model_core, page_capacity
 from dsv41.config import Part
@@ -116,10 +117,11 @@ class EncoderComponent(Component):
                     self._release(message.request_id)
                     reply(m.Ack(request_id=message.request_id))
 
+        self.vocab_size, self.step_tokens = model.config.text_config.vocab_size, step_tokens(model.config)
     # --- prefill ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def _prefill(self, message: m.Prefill, reply: Reply) -> None:
-        rid, ids = message.request_id, m.unpack_ids(message.ids)
+        rid, ids = message.request_id, m.unpack_ids(message.ids, self.vocab_size)
         self._check_prompt(rid, ids, message.capacity)
         keys, blocks, snapshot = self._load_prefix(ids) if message.mode == "ced" else ([], [], None)
         seq, cached = self.core.new_sequence(ids, message.capacity or None, True, blocks, self.layout, self.layers)
@@ -142,7 +144,10 @@ class EncoderComponent(Component):
             engram_wait_s=self.mailbox.waited_s - waited), out)
 
     def _check_prompt(self, rid: int, ids: list[int], capacity: int) -> None:
-        limit = min(capacity or self.limit, self.limit)
+        if capacity > self.limit:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"capacity {capacity} is over the context limit of "
+                                 f"{self.limit} positions")
+        limit = capacity or self.limit
         if not ids or len(ids) > limit:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"a prompt of {len(ids)} tokens does not fit: it needs "
                                  f"1..{limit} tokens (the context limit)")
@@ -229,7 +234,11 @@ class EncoderComponent(Component):
 
     def _step_input(self, item: m.Step | m.StepItem) -> tuple[Sequence, list[int], functools.partial | None]:
         """The sequence, the new tokens and the prefetched-rows source of one request's step."""
-        seq, tokens = self.sequences.get(item.request_id), m.unpack_ids(item.ids)
+        tokens = m.unpack_ids(item.ids, self.vocab_size)
+        if len(tokens) > self.step_tokens:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"a step of {len(tokens)} tokens; a step carries "
+                                 f"1..{self.step_tokens} (the last token and a drafted block)")
+        seq = self.sequences.get(item.request_id)
         if not tokens or seq.cache.length + len(tokens) > seq.cache.capacity:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(tokens)} tokens do not fit: "
                                  f"{seq.cache.length} of {seq.cache.capacity} positions used")

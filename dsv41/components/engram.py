@@ -46,7 +46,7 @@ class EngramComponent(Component):
     def __init__(self, context: ComponentContext):
         super().__init__()
         t = context.config.text_config
-        self.lookback = t.engram_max_ngram_size - 1
+        self.lookback, self.vocab_size = t.engram_max_ngram_size - 1, t.vocab_size
         token_map, _ = token_map_from_tokenizer(context.tokenizer)
         self.hasher = EngramHasher.build(t, token_map)
         self.tables = EngramTables(tables_path(context), list(t.engram_layer_ids))
@@ -54,7 +54,7 @@ class EngramComponent(Component):
 
     @torch.inference_mode()
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
-        ids = torch.tensor([m.unpack_ids(message.ids)])
+        ids = torch.tensor([m.unpack_ids(message.ids, self.vocab_size)])
         first = message.start - message.offset
         if not 0 <= first < ids.size(1) or (message.offset > 0 and first < self.lookback):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"ids from position {message.offset} do not cover "

@@ -22,7 +22,7 @@ def build_server(name: str, pipeline: Pipeline, runtime_dir: Path) -> Server:
     """Build the component (loading its model) and bind its endpoint: once this returns, it is ready."""
     context = ComponentContext(pipeline, resolve_endpoints(pipeline, runtime_dir), runtime_dir)
     component = component_class(name)(context)
-    return Server(component, context.endpoints[name], context.keys_dir)
+    return Server(component, context.endpoints[name], context.keys_dir, limits=context.limits)
 
 
 def serve_forever(server: Server) -> None:

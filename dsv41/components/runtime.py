@@ -91,13 +91,15 @@ class _IpcLock:
 
 
 def make_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, keys_dir: Path | None = None,
-                curve: CurveServer | None = None) -> zmq.Socket:
-    """Every socket of dsv41 comes from here: size cap, bounded linger, strict routing, deadlines
-    possible on send, CURVE on tcp when keys are configured, loopback-only tcp without them."""
+                curve: CurveServer | None = None, max_bytes: int = m.DEFAULT_MAX_BYTES) -> zmq.Socket:
+    """Every socket of dsv41 comes from here: size cap (`max_bytes`: the largest message it can
+    legitimately receive; a bigger frame drops the sender's connection before it is allocated),
+    bounded linger, strict routing, deadlines possible on send, CURVE on tcp when keys are
+    configured, loopback-only tcp without them."""
     check_endpoint(endpoint)
     sock = ctx.socket(kind)
     try:
-        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -155,8 +157,9 @@ class Server:
     """Serves one component on one endpoint: an I/O thread plus the compute loop (`run`)."""
 
     def __init__(self, component: Component, endpoint: str, keys_dir: Path | None = None,
-                 ctx: zmq.Context | None = None):
-        self.component, self.endpoint = component, endpoint
+                 ctx: zmq.Context | None = None, limits: m.Limits = m.DEFAULT_LIMITS):
+        self.component, self.endpoint, self.limits = component, endpoint, limits
+        self.kinds = component.accepts | component.early | {m.KIND.PING}
         self.ctx = ctx or zmq.Context.instance()
         self.stop_event = threading.Event()
         self.inbox: queue.Queue = queue.Queue()
@@ -165,7 +168,8 @@ class Server:
         tcp_keys = keys_dir if endpoint.startswith("tcp://") else None
         self._curve = CurveServer(self.ctx, tcp_keys) if tcp_keys is not None else None
         try:
-            self._router = make_socket(self.ctx, zmq.ROUTER, endpoint, bind=True, keys_dir=keys_dir, curve=self._curve)
+            self._router = make_socket(self.ctx, zmq.ROUTER, endpoint, bind=True, keys_dir=keys_dir, curve=self._curve,
+                                       max_bytes=limits.largest(self.kinds))
         except Exception:
             self._release()
             raise
@@ -196,7 +200,7 @@ class Server:
             return
         identity, body = parts[0], parts[1:]
         try:
-            message, frames = m.decode(body, self.component.accepts | self.component.early | {m.KIND.PING})
+            message, frames = m.decode(body, self.kinds, self.limits)
         except m.MessageError as e:
             counters["bad_messages"] += 1
             self._forward([identity, *m.encode(m.error_reply(0, e.code, self.component.name, str(e)))])
@@ -285,18 +289,26 @@ class Peer:
     """Calls to one component, from one thread: request/reply with a deadline, or a stream."""
 
     def __init__(self, endpoint: str, name: str, keys_dir: Path | None = None, timeout_s: float = 600.0,
-                 ctx: zmq.Context | None = None):
-        self.name, self.endpoint, self.timeout_s = name, endpoint, timeout_s
+                 ctx: zmq.Context | None = None, limits: m.Limits = m.DEFAULT_LIMITS):
+        self.name, self.endpoint, self.timeout_s, self.limits = name, endpoint, timeout_s, limits
         self.ctx = ctx or zmq.Context.instance()
-        self.sock = make_socket(self.ctx, zmq.DEALER, endpoint, bind=False, keys_dir=keys_dir)
+        self.sock = make_socket(self.ctx, zmq.DEALER, endpoint, bind=False, keys_dir=keys_dir,
+                                max_bytes=limits.replies_of(name))
         self.sock.setsockopt(zmq.SNDTIMEO, 1000)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) \
             if not endpoint.startswith("inproc://") else None
 
     def send(self, message: m.Message, frames: m.Frames | None = None) -> None:
+        """Send without waiting for a reply. A message that cannot be encoded, or is over its kind's
+        limit (the component would drop the connection), fails here as a ComponentError."""
         self._drain_monitor()
         try:
-            self.sock.send_multipart(m.encode(message, frames), copy=False)
+            parts = m.encode(message, frames)
+            self.limits.check(m.KIND_OF[type(message)], m.encoded_size(parts))
+        except m.MessageError as e:
+            raise ComponentError(e.code, self.name, str(e)) from None
+        try:
+            self.sock.send_multipart(parts, copy=False)
         except zmq.Again:
             raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name,
                                  f"not reachable at {self.endpoint} (no connection within 1 s)") from None
@@ -328,7 +340,7 @@ class Peer:
 
     def _take(self, request_id: int):
         try:
-            message, frames = m.decode(self.sock.recv_multipart(copy=False))
+            message, frames = m.decode(self.sock.recv_multipart(copy=False), limits=self.limits)
         except m.MessageError as e:
             raise ComponentError(e.code, self.name, f"sent an unreadable reply: {e}") from None
         if isinstance(message, m.Error) and message.request_id in (request_id, 0):

@@ -14,6 +14,8 @@ class TokenizerComponent(Component):
 
     def __init__(self, context: ComponentContext):
         super().__init__()
+        self.vocab_size = context.config.text_config.vocab_size
+        self.limit = context.config.text_config.max_position_embeddings
         self.tok = context.tokenizer
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
@@ -22,7 +24,13 @@ class TokenizerComponent(Component):
                 raise m.MessageError(m.ErrorCode.INVALID_REQUEST, "image inputs are not supported yet: the "
                                      "vision tower is not built; send text only")
             case m.Tokenize():
-                reply(m.Tokens(request_id=message.request_id, ids=m.pack_ids(encode(self.tok, message.text))))
+                # the socket bounds the text to a few bytes per context token, so encoding it costs
+                # little; only the token count says whether it fits
+                ids = encode(self.tok, message.text)
+                if len(ids) > self.limit:
+                    raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"a text of {len(message.text)} characters "
+                                         f"cannot fit the context of {self.limit} tokens: it is {len(ids)} tokens")
+                reply(m.Tokens(request_id=message.request_id, ids=m.pack_ids(ids)))
             case m.Detokenize():
-                text = decode(self.tok, m.unpack_ids(message.ids))
+                text = decode(self.tok, m.unpack_ids(message.ids, self.vocab_size))
                 reply(m.Detokenized(request_id=message.request_id, text=text))

@@ -20,11 +20,13 @@ import sys
 import threading
 import time
 from collections import deque
+from functools import cached_property
 from pathlib import Path
 
 import msgspec
 
-from dsv41.components.context import COMPONENTS
+from dsv41 import messages as m
+from dsv41.components.context import COMPONENTS, ComponentContext
 from dsv41.components.host import build_server, serve_forever
 from dsv41.components.runtime import ComponentError, Peer
 from dsv41.pipelines.schema import Pipeline, placement_of, resolve_endpoints
@@ -263,8 +265,13 @@ class Supervisor:
         self.stop()
 
     def peer(self, name: str = "dspark", timeout_s: float | None = None) -> Peer:
+        """A caller of `name`, its socket sized for that component's replies."""
         return Peer(self.endpoints[name], name, self._keys_dir(),
-                    timeout_s=timeout_s or self.pipeline.generation.request_timeout_s)
+                    timeout_s=timeout_s or self.pipeline.generation.request_timeout_s, limits=self.limits)
+
+    @cached_property
+    def limits(self) -> m.Limits:
+        return ComponentContext(self.pipeline, self.endpoints, self.runtime_dir).limits
 
     def pids(self) -> dict[str, int | None]:
         return {name: child.pid for name, child in self.children.items()}

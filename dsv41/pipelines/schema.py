@@ -4,12 +4,16 @@ A pipeline names the model, the KV store, the generation defaults, the superviso
 per component with its placement (thread or process) and its ZeroMQ endpoint. Loading is strict and
 reports every problem at once as `<file>:<line>: <key.path>: <problem>`, so a file is fixed in one
 round. The YAML is only composed into nodes and read with the safe constructors of plain scalars, so
-no tag can build objects or run code.
+no tag can build objects or run code. Hostile files are bounded before they cost anything: at most
+MAX_FILE_BYTES are read, anchors and aliases are refused (a "billion laughs" alias bomb expands
+exponentially), nesting is capped at MAX_DEPTH (the composer recurses), and every number has a finite
+range.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,15 +21,27 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import msgspec
 import yaml
+from yaml.composer import ComposerError
 from yaml.constructor import SafeConstructor
 
 from dsv41.components.security import is_loopback_host
+from dsv41.config import BUILTIN_CONFIGS
 
 BUILTIN_PIPELINES = ("local", "inproc", "epd")
 PIPELINE_DIR = Path(__file__).parent
 COMPONENTS = ("tokenizer", "engram", "encoder", "decoder", "dspark", "kvstore")
 # sun_path of a Unix socket holds 108 bytes including the closing NUL.
 MAX_IPC_PATH = 107
+# The built-in pipelines are about 3 KB and 4 levels deep (components.encoder.options.threads).
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 16
+MAX_THREADS = 1024
+# Pages of 128 entries per pool: 2^24 pages hold 2^31 positions, 2048 sequences at the 1M-token context.
+MAX_KV_PAGES = 1 << 24
+MAX_SEED = (1 << 63) - 1
+# Past this, tempered sampling is uniform over the top-p set anyway; inf would turn the logits into NaN.
+MAX_TEMPERATURE = 100.0
+DAY_S = 86_400.0
 
 Placement = Literal["thread", "process"]
 Issue = tuple[tuple[str, ...], str]
@@ -43,7 +59,7 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     # built-in config name (official, mini, micro) or a path to a config.json
     config: str = "mini"
     # seed of the random weights when no checkpoint is given
-    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] = 0
     # directory of safetensors weights in the official format
     checkpoint: str | None = None
 
@@ -51,14 +67,15 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
 class StoreSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     # LMDB directory; "{pipeline}" is replaced by the pipeline name
     path: str = "~/.cache/dsv41/kv/{pipeline}"
-    # most bytes the persistent KV store may hold, in GiB
-    capacity_gib: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    # most bytes the persistent KV store may hold, in GiB (the LMDB map is sized 1.3x this, within 64-bit
+    # address space)
+    capacity_gib: Annotated[float, msgspec.Meta(gt=0, le=16384)] = 4.0
     # tokens per stored KV block
-    block_tokens: Annotated[int, msgspec.Meta(ge=16, multiple_of=16)] = 256
+    block_tokens: Annotated[int, msgspec.Meta(ge=16, le=65536, multiple_of=16)] = 256
     # memory for the sliding-window KV of recent requests, in GiB
-    swa_pool_gib: Annotated[float, msgspec.Meta(ge=0)] = 0.5
+    swa_pool_gib: Annotated[float, msgspec.Meta(ge=0, le=1024)] = 0.5
     # seconds an unused sliding-window entry is kept
-    swa_ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    swa_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=7 * DAY_S)] = 300.0
 
 
 class GenerationSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -66,25 +83,25 @@ class GenerationSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 64
     # how a prompt is prefilled: compressed encoder-decoder, exact, or full attention
     prefill_mode: Literal["ced", "exact", "full"] = "ced"
-    # prompt tokens per prefill step
-    chunk_size: Annotated[int, msgspec.Meta(ge=1)] = 512
+    # prompt tokens per prefill step (a `full` prefill returns logits for each, so it bounds message sizes)
+    chunk_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 512
     # sampling temperature; 0 is greedy
-    temperature: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=MAX_TEMPERATURE)] = 0.0
     # nucleus sampling mass
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     # seconds a request may take before it is abandoned
-    request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    request_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=DAY_S)] = 600.0
 
 
 class SupervisorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     # seconds every component has to report ready after launch
-    ready_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    ready_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=DAY_S)] = 120.0
     # more restarts of one component than this within restart_window_s is a crash loop: give up
-    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    max_restarts: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
     # seconds over which restarts are counted
-    restart_window_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    restart_window_s: Annotated[float, msgspec.Meta(gt=0, le=DAY_S)] = 30.0
     # delay before the first restart, doubled for each further restart in the window
-    backoff_s: Annotated[float, msgspec.Meta(ge=0)] = 0.5
+    backoff_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.5
 
 
 class SecuritySpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -92,12 +109,44 @@ class SecuritySpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     keys_dir: str | None = None
 
 
+class CommonOptions(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Options every component reads; an option left out is UNSET (options hold no nulls)."""
+
+    # torch threads of the component's process (default: 1, half the cores for the encoder and decoder)
+    threads: Annotated[int, msgspec.Meta(ge=1, le=MAX_THREADS)] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ModelOptions(CommonOptions, frozen=True, kw_only=True):
+    """Options of the encoder and the decoder."""
+
+    # pages of 128 global KV entries per page pool; unset: the pools grow with the requests
+    kv_pages: Annotated[int, msgspec.Meta(ge=1, le=MAX_KV_PAGES)] | msgspec.UnsetType = msgspec.UNSET
+
+
+class EngramOptions(CommonOptions, frozen=True, kw_only=True):
+    """Options of the engram component (rows_timeout_s is read by the encoder, which waits for the rows)."""
+
+    # push rows ahead of the encoder's need; false: the encoder looks them up itself
+    prefetch: bool = True
+    # safetensors file of the Engram tables; needed with a checkpoint, written once for random weights
+    tables: str = ""
+    # seconds the encoder waits for pushed rows before looking them up itself
+    rows_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
+
+
+# The options each component takes; any other key is refused.
+OPTIONS: dict[str, type[CommonOptions]] = {
+    "tokenizer": CommonOptions, "engram": EngramOptions, "encoder": ModelOptions, "decoder": ModelOptions,
+    "dspark": CommonOptions, "kvstore": CommonOptions,
+}
+
+
 class ComponentSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     # "auto", or inproc://NAME, ipc://PATH, tcp://HOST:PORT
     endpoint: str = "auto"
     # None takes the pipeline's placement
     placement: Placement | None = None
-    # component-specific options (e.g. engram: {prefetch: true})
+    # component-specific options, checked against OPTIONS (e.g. engram: {prefetch: true})
     options: dict[str, str | int | float | bool] = {}
 
 
@@ -130,7 +179,7 @@ def placement_of(p: Pipeline, component: str) -> str:
 def resolve_endpoints(p: Pipeline, runtime_dir: Path) -> dict[str, str]:
     """The endpoint each component binds, once the launcher has chosen the runtime directory."""
     endpoints = {c: _concrete(p, c, runtime_dir) for c in p.components}
-    issues = _long_sockets(p, endpoints)
+    issues = _long_sockets(p, endpoints) + _shared_sockets(endpoints)
     if issues:
         raise PipelineError([f"{'.'.join(path)}: {message}" for path, message in issues])
     return endpoints
@@ -147,7 +196,7 @@ def load_pipeline(source: str | Path) -> Pipeline:
     if root is None:
         raise PipelineError([f"{label}:1: root: the file is empty; expected a pipeline mapping"])
     doc.lines[()] = root.start_mark.line + 1
-    data = _walk(root, (), doc, frozenset())
+    data = _walk(root, (), doc)
     if not isinstance(data, dict):
         issues = [] if data is _DROP else [((), f"expected a mapping at the top level, got {_kind(data)}")]
         raise PipelineError(doc.report(issues))
@@ -206,7 +255,8 @@ class _Doc:
 
 
 def _read(source: str | Path) -> tuple[str, str]:
-    """The text of a pipeline and the label its problems start with."""
+    """The text of a pipeline and the label its problems start with; at most MAX_FILE_BYTES are read,
+    so a huge file (or a device) costs no memory."""
     if isinstance(source, str) and source in BUILTIN_PIPELINES:
         path = PIPELINE_DIR / f"{source}.yaml"
         label = path.name
@@ -214,7 +264,11 @@ def _read(source: str | Path) -> tuple[str, str]:
         path = Path(source)
         label = str(path)
     try:
-        return path.read_text(encoding="utf-8"), label
+        with path.open("rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise PipelineError([f"{label}: the file is over {MAX_FILE_BYTES} bytes; a pipeline file is a few KB"])
+        return data.decode("utf-8"), label
     except FileNotFoundError:
         names = ", ".join(BUILTIN_PIPELINES)
         raise PipelineError([f"{label}: no such file, and not a built-in pipeline name ({names})"]) from None
@@ -222,10 +276,32 @@ def _read(source: str | Path) -> tuple[str, str]:
         raise PipelineError([f"{label}: cannot read the file: {exc}"]) from None
 
 
+class _NodeLoader(yaml.SafeLoader):
+    """Composes nodes and refuses anchors, aliases and deep nesting before they cost anything: an alias
+    bomb is a few lines that expand exponentially once walked, and the composer recurses per level."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise ComposerError(None, None, "anchors and aliases (&name, *name) are not supported; write the "
+                                "values out", event.start_mark)
+        if self.depth >= MAX_DEPTH:
+            raise ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep", event.start_mark)
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
 def _compose(text: str, label: str) -> yaml.Node | None:
     """The node tree of a single YAML document; nothing is constructed yet."""
     try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
+        return yaml.compose(text, Loader=_NodeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         reason = ", ".join(part for part in (exc.context, exc.problem) if part)
@@ -234,16 +310,13 @@ def _compose(text: str, label: str) -> yaml.Node | None:
         raise PipelineError([f"{label}: invalid YAML: {exc}"]) from None
 
 
-def _walk(node: yaml.Node, path: tuple[str, ...], doc: _Doc, active: frozenset[int]) -> Any:
-    """Plain data for `node`, or _DROP when it cannot be read (the reason goes to `doc`)."""
-    if id(node) in active:
-        doc.add(path, "recursive alias")  # at the key: an alias node carries the line of its anchor
-        return _DROP
-    inner = active | {id(node)}
+def _walk(node: yaml.Node, path: tuple[str, ...], doc: _Doc) -> Any:
+    """Plain data for `node`, or _DROP when it cannot be read (the reason goes to `doc`). The tree has
+    no aliases and at most MAX_DEPTH levels (the loader refused them), so this ends quickly."""
     if isinstance(node, yaml.MappingNode) and node.tag == _TAG + "map":
-        return _walk_mapping(node, path, doc, inner)
+        return _walk_mapping(node, path, doc)
     if isinstance(node, yaml.SequenceNode) and node.tag == _TAG + "seq":
-        items = (_walk(item, (*path, str(i)), doc, inner) for i, item in enumerate(node.value))
+        items = (_walk(item, (*path, str(i)), doc) for i, item in enumerate(node.value))
         return [item for item in items if item is not _DROP]
     if isinstance(node, yaml.ScalarNode) and node.tag in _SCALAR_TAGS:
         return _scalar(node, path, doc)
@@ -253,7 +326,7 @@ def _walk(node: yaml.Node, path: tuple[str, ...], doc: _Doc, active: frozenset[i
                                 "scalars are allowed")
 
 
-def _walk_mapping(node: yaml.MappingNode, path: tuple[str, ...], doc: _Doc, active: frozenset[int]) -> dict:
+def _walk_mapping(node: yaml.MappingNode, path: tuple[str, ...], doc: _Doc) -> dict:
     data: dict[str, Any] = {}
     first_line: dict[str, int] = {}
     for key_node, value_node in node.value:
@@ -267,7 +340,7 @@ def _walk_mapping(node: yaml.MappingNode, path: tuple[str, ...], doc: _Doc, acti
             continue
         first_line[key] = line
         doc.lines[(*path, key)] = line
-        value = _walk(value_node, (*path, key), doc, active)
+        value = _walk(value_node, (*path, key), doc)
         if value is _DROP:
             doc.dropped.add((*path, key))
         else:
@@ -338,6 +411,9 @@ def _check_components(value: Any, path: tuple[str, ...], doc: _Doc) -> list[Issu
     names = ", ".join(COMPONENTS)
     issues: list[Issue] = []
     for name, spec in value.items():
+        if name in COMPONENTS and isinstance(spec, dict) and isinstance(spec.get("options"), dict):
+            issues += _check_struct(OPTIONS[name], spec["options"], (*path, name, "options"), doc)
+            spec = {key: item for key, item in spec.items() if key != "options"}  # checked just above
         if name in COMPONENTS:
             issues += _check_struct(ComponentSpec, spec, (*path, name), doc)
         else:
@@ -389,7 +465,8 @@ def _cross_field_problems(p: Pipeline) -> list[Issue]:
     issues = _endpoint_syntax(p)
     valid = {c: spec.endpoint for c, spec in p.components.items() if endpoint_problem(spec.endpoint) is None}
     return (issues + _placement_rules(p, valid) + _tcp_needs_keys(p, valid) + _duplicate_endpoints(valid)
-            + _long_sockets(p, _known_sockets(p, valid)))
+            + _shared_sockets(_socket_paths(p, valid)) + _long_sockets(p, _known_sockets(p, valid))
+            + _path_problems(p))
 
 
 def _endpoint_syntax(p: Pipeline) -> list[Issue]:
@@ -423,13 +500,57 @@ def _tcp_needs_keys(p: Pipeline, endpoints: dict[str, str]) -> list[Issue]:
 
 
 def _duplicate_endpoints(endpoints: dict[str, str]) -> list[Issue]:
+    """inproc and tcp endpoints used twice; ipc paths are compared once resolved (`_shared_sockets`)."""
     owner: dict[str, str] = {}
     issues: list[Issue] = []
     for c, endpoint in endpoints.items():
-        if endpoint != "auto" and endpoint in owner:
+        if endpoint == "auto" or endpoint.startswith("ipc://"):
+            continue
+        if endpoint in owner:
             issues.append((("components", c, "endpoint"),
                            f"endpoint '{endpoint}' is also used by components.{owner[endpoint]}"))
         owner.setdefault(endpoint, c)
+    return issues
+
+
+def _socket_paths(p: Pipeline, endpoints: dict[str, str]) -> dict[str, str]:
+    """The ipc endpoint of each process component, 'auto' and relative paths put under the runtime
+    directory (a stand-in when it is chosen at launch)."""
+    runtime_dir = Path(p.runtime_dir).expanduser() if p.runtime_dir is not None else Path("$RUNTIME_DIR")
+    concrete = {c: _concrete(p, c, runtime_dir) for c in endpoints}
+    return {c: endpoint for c, endpoint in concrete.items() if endpoint.startswith("ipc://")}
+
+
+def _shared_sockets(endpoints: dict[str, str]) -> list[Issue]:
+    """Two components on one ipc socket (paths normalised, so two spellings of one socket compare
+    equal): the second bind would fail at launch, or take the first one's traffic if the first is down."""
+    owner: dict[str, str] = {}
+    issues: list[Issue] = []
+    for c, endpoint in endpoints.items():
+        if not endpoint.startswith("ipc://"):
+            continue
+        path = os.path.normpath(endpoint.removeprefix("ipc://"))
+        if path in owner:
+            issues.append((("components", c, "endpoint"), f"socket path {path} is also used by "
+                                                          f"components.{owner[path]}"))
+        owner.setdefault(path, c)
+    return issues
+
+
+def _path_problems(p: Pipeline) -> list[Issue]:
+    """Directories dsv41 writes into must not climb out with '..'; the files and directories it reads
+    must exist, so a typo is found by `validate` rather than by a component that fails to start."""
+    issues: list[Issue] = [(key, "'..' is not allowed in a directory dsv41 creates and writes; write the path "
+                                 "without it")
+                           for key, path in ((("runtime_dir",), p.runtime_dir), (("store", "path"), p.store.path))
+                           if path is not None and ".." in Path(path).parts]
+    if p.model.config not in BUILTIN_CONFIGS and not Path(p.model.config).expanduser().is_file():
+        issues.append((("model", "config"), f"no such config file {p.model.config!r}; a built-in config "
+                                            f"({', '.join(BUILTIN_CONFIGS)}) or a config.json path"))
+    for key, directory in ((("model", "checkpoint"), p.model.checkpoint), (("security", "keys_dir"),
+                                                                           p.security.keys_dir)):
+        if directory is not None and not Path(directory).expanduser().is_dir():
+            issues.append((key, f"no such directory {directory!r}"))
     return issues
 
 
@@ -483,6 +604,8 @@ def _inproc_problem(name: str) -> str | None:
 def _ipc_problem(path: str) -> str | None:
     if not path:
         return "empty socket path"
+    if ".." in Path(path).parts:
+        return "'..' in the socket path; a relative path stays inside the runtime directory"
     return "NUL byte in the socket path" if "\0" in path else None
 
 
