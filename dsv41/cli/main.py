@@ -164,8 +164,11 @@ def parity(folder: str, decode_mode: str, packed: bool, details: bool) -> None:
     """Compare dsv41 against recorded official outputs in FOLDER.
 
     FOLDER holds an official-format checkpoint (config.json, weights.safetensors, tokenizer) and the
-    official implementation's recorded outputs (io.safetensors, units.safetensors). Exits non-zero
-    when any tensor fails.
+    official implementation's recorded outputs (io.safetensors, units.safetensors). Integer, bool
+    and quantized tensors must be exact; other floats pass within 2^-6 of the tensor's largest
+    magnitude (fp32 summation order differs between CPUs; docs/parity.md). Bit-exact counts are
+    reported as information. A choice that flips (argmax, expert) is named with the gap that
+    decided it. Exits non-zero when any tensor fails.
     """
     from dsv41.parity import not_compared, report, run_parity
 
@@ -176,7 +179,8 @@ def parity(folder: str, decode_mode: str, packed: bool, details: bool) -> None:
     if details:
         for row in rows:
             status = "exact" if row.exact else "ok" if row.passed else "FAIL"
-            click.echo(f"{status:<5} {row.group:<20} {row.name:<40} abs {row.max_abs:.3g} ulp {row.max_ulp} {row.note}")
+            click.echo(f"{status:<5} {row.group:<20} {row.name:<40} abs {row.max_abs:.3g} rel {row.rel:.3g} "
+                       f"ulp {row.max_ulp} {row.note}")
     for why in not_compared(folder):
         click.echo(f"not compared: {why}")
     failed = [r for r in rows if not r.passed]
