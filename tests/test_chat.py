@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dsv41.chat import render
@@ -66,10 +68,55 @@ def test_tool_results_sit_in_a_user_turn_and_keep_reasoning():
                 {"role": "tool", "content": "4"}, {"role": "tool", "content": "four"}]
     assert render(messages, thinking=True) == (
         "<｜begin▁of▁sentence｜><｜User｜>What is 2+2?<｜Assistant｜><think>use the tool</think>Let me check."
-        "<｜end▁of▁sentence｜><｜User｜><tool_result>4</tool_result><tool_result>four</tool_result>"
+        "<｜end▁of▁sentence｜><｜User｜><tool_result>4</tool_result>\n\n<tool_result>four</tool_result>"
         "<｜Assistant｜><think>")
-    with pytest.raises(ValueError, match="tool calls"):
-        render([USER, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}])
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look up a value", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}}
+
+
+def test_tools_and_tool_calls_render_as_the_release_encodes_them():
+    """The release encoder's multi-turn vector: reasoning kept with tools, DSML calls after the reply,
+    results in the order of the calls (not of arrival) joined by blank lines."""
+    calls = [{"id": cid, "type": "function", "function": {"name": "lookup", "arguments": {"query": q}}}
+             for cid, q in (("a", "first"), ("b", "second"))]
+    messages = [{"role": "system", "content": "system"}, {"role": "user", "content": "question"},
+                {"role": "assistant", "reasoning_content": "reason", "content": "summary", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "b", "content": "second result"},
+                {"role": "tool", "tool_call_id": "a", "content": "first result"}]
+    prompt = render(messages, thinking=True, tools=[TOOL])
+    assert prompt[prompt.index("<｜User｜>"):] == (
+        "<｜User｜>question<｜Assistant｜><think>reason</think>summary\n\n"
+        "<｜DSML｜ calls>\n"
+        '<｜DSML｜ invoke name="lookup">\n'
+        '<｜DSML｜ parameter name="query" string="true">first</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n"
+        '<｜DSML｜ invoke name="lookup">\n'
+        '<｜DSML｜ parameter name="query" string="true">second</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n"
+        "</｜DSML｜ calls><｜end▁of▁sentence｜>"
+        "<｜User｜><tool_result>first result</tool_result>\n\n"
+        "<tool_result>second result</tool_result><｜Assistant｜><think>")
+    head = prompt[:prompt.index("<｜User｜>")]
+    assert head.startswith("<｜begin▁of▁sentence｜>system\n\n## Tools\n\nYou have access to a set of tools")
+    assert '\n\n{"name": "lookup", "description": "Look up a value", "parameters": ' in head
+    assert head.endswith("You MUST strictly follow the above defined tool name and parameter schemas to invoke "
+                         "tool calls.\n")
+    # arguments as a JSON string (what the OpenAI client sends back) render the same; non-strings as JSON
+    as_text = [{**c, "function": {"name": "lookup", "arguments": json.dumps(c["function"]["arguments"])}}
+               for c in calls]
+    assert render([*messages[:2], {**messages[2], "tool_calls": as_text}, *messages[3:]], thinking=True,
+                  tools=[TOOL]) == prompt
+    numbers = [{"type": "function", "function": {"name": "f", "arguments": '{"n": 3, "xs": [1, "a"]}'}}]
+    assert ('<｜DSML｜ parameter name="n" string="false">3</｜DSML｜ parameter>\n'
+            '<｜DSML｜ parameter name="xs" string="false">[1, "a"]</｜DSML｜ parameter>') in render(
+        [USER, {"role": "assistant", "content": "", "tool_calls": numbers}])
+    for bad, why in (([{"type": "function"}], "each tool must be"), ([{"function": {"name": 3}}], "each tool")):
+        with pytest.raises(ValueError, match=why):
+            render([USER], tools=bad)
+    with pytest.raises(ValueError, match="arguments are not JSON"):
+        render([USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
 
 
 def test_content_blocks_and_bad_input():
