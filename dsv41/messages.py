@@ -77,6 +77,7 @@ class FinishReason(IntEnum):
     LENGTH = 0
     EOS = 1
     ERROR = 2
+    CANCELLED = 3  # the client released the request (e.g. its connection closed)
 
 
 class Tensor(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True):

@@ -3,6 +3,16 @@
 Until the DSpark drafter lands this schedules plain decoding (greedy, temperature, top-p), one
 token per request per round over every request in flight. A request that fails anywhere gets one
 `Error` naming the component and the problem; its state elsewhere is released; other requests go on.
+
+Continuous batching: a new request waits in a bounded first-come-first-served queue; each round the
+scheduler sends the prefills of the requests at its head (at most `scheduling.max_running` requests
+prefill or decode at once) and one batched step of every request already decoding. Prefills are
+not waited for: the encoder runs one chunk of `generation.chunk_size` prompt tokens per turn of its
+loop and serves the batched steps between chunks, and a prefill's reply is taken whenever it comes,
+so the request joins the batch at the next step. A prefill that finds the KV page pools full
+(CAPACITY) goes back to the head of the queue and no request is admitted until one ends; a full
+queue refuses the request with CAPACITY. A `Release` for a client's request id cancels it wherever
+it is (queued, prefilling or decoding) and frees its state.
 """
 
 from __future__ import annotations
@@ -19,13 +29,16 @@ from dsv41.components.runtime import Component, ComponentError, Reply, new_reque
 from dsv41.model.reference import Sampling, sample_next
 from dsv41.model.tokenizer import Detokenizer, token_bytes
 
+PREFILLS_IN_FLIGHT = 2  # prefills sent ahead, so the encoder never waits for the next prompt
+
 
 @dataclass
 class Request:
     client_id: int
     internal_id: int
     reply: Reply
-    prompt_tokens: int
+    ids: list[int]
+    mode: str
     max_new_tokens: int
     sampling: Sampling
     stop_ids: tuple[int, ...]
@@ -37,11 +50,16 @@ class Request:
     generated: list[int] = field(default_factory=list)
     ttft_s: float = 0.0
     engram_wait_s: float = 0.0
+    sent_at: float = 0.0  # when its prefill was sent
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.ids)
 
 
 class DSparkComponent(Component):
     name = "dspark"
-    accepts = frozenset({m.KIND.GENERATE})
+    accepts = frozenset({m.KIND.GENERATE, m.KIND.RELEASE})
 
     def __init__(self, context: ComponentContext):
         super().__init__()
@@ -53,16 +71,34 @@ class DSparkComponent(Component):
         self.tokenizer, self.encoder = context.peer("tokenizer"), context.peer("encoder")
         self.token_bytes = token_bytes(context.tokenizer)
         self.engram = context.peer("engram") if self.prefetch else None
-        self.active: deque[Request] = deque()
+        scheduling = context.pipeline.scheduling
+        self.max_running, self.max_waiting = scheduling.max_running, scheduling.max_waiting
+        self.timeout_s = context.pipeline.generation.request_timeout_s
+        self.waiting: deque[Request] = deque()  # not yet sent, first come first served
+        self.prefilling: dict[int, Request] = {}  # by internal id: prefill sent, reply not yet taken
+        self.active: deque[Request] = deque()  # decoding
+        self.clients: dict[int, Request] = {}  # every live request by client id
+        self.blocked = False  # a prefill found no KV pages: admit nothing until a request ends
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
-        request = None
+        if isinstance(message, m.Release):
+            self._cancel(message.request_id)
+            reply(m.Ack(request_id=message.request_id))
+            return
         try:
+            if message.request_id in self.clients:
+                raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"request {message.request_id} is already running")
             ids = self._prompt_ids(message)
-            request = self._admit(message, ids, reply)
-            self._start(request, ids, message.prefill_mode)
+            request = self._new_request(message, ids, reply)
+            if len(self.waiting) >= self.max_waiting and not self._can_admit():
+                raise m.MessageError(m.ErrorCode.CAPACITY, f"the queue is full: {len(self.waiting)} requests wait "
+                                     f"for KV pages or a running slot (scheduling.max_waiting); retry later")
         except (ComponentError, m.MessageError) as e:
-            self._fail(request, message.request_id, reply, e)
+            self._fail(None, e, message.request_id, reply)
+            return
+        self.waiting.append(request)
+        self.clients[request.client_id] = request
+        self.counters["received"] += 1
 
     def _prompt_ids(self, message: m.Generate) -> list[int]:
         if message.ids:
@@ -71,25 +107,112 @@ class DSparkComponent(Component):
                                                    images=message.images))
         return m.unpack_ids(answer.ids)
 
-    def _admit(self, message: m.Generate, ids: list[int], reply: Reply) -> Request:
+    def _new_request(self, message: m.Generate, ids: list[int], reply: Reply) -> Request:
         if not ids or len(ids) + message.max_new_tokens > self.limit:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"prompt of {len(ids)} tokens + max_new_tokens "
                                  f"{message.max_new_tokens} exceeds the context limit of {self.limit} tokens")
         sampling = Sampling(message.temperature, message.top_p, message.seed)
-        return Request(message.request_id, new_request_id(), reply, len(ids), message.max_new_tokens, sampling,
-                       (self.eos,) if message.stop_at_eos else (), torch.Generator().manual_seed(message.seed),
-                       time.perf_counter(), ids[max(0, len(ids) - self.lookback):], Detokenizer(self.token_bytes))
+        return Request(message.request_id, new_request_id(), reply, ids, message.prefill_mode, message.max_new_tokens,
+                       sampling, (self.eos,) if message.stop_at_eos else (),
+                       torch.Generator().manual_seed(message.seed), time.perf_counter(),
+                       ids[max(0, len(ids) - self.lookback):], Detokenizer(self.token_bytes))
 
-    def _start(self, request: Request, ids: list[int], mode: str) -> None:
-        rid = request.internal_id
-        prefetched = self._prefetch(m.EngramPrefetch(request_id=rid, ids=m.pack_ids(ids), offset=0, start=0))
-        answer, frames = self.encoder.call(m.Prefill(request_id=rid, ids=m.pack_ids(ids), mode=mode,
-                                                     capacity=len(ids) + request.max_new_tokens,
-                                                     engram_prefetch=prefetched))
+    # --- admission ---------------------------------------------------------------------------------
+    def _can_admit(self) -> bool:
+        return (not self.blocked and len(self.prefilling) < PREFILLS_IN_FLIGHT
+                and len(self.active) + len(self.prefilling) < self.max_running)
+
+    def _admit(self) -> None:
+        """Send the prefills of the requests at the head of the queue while there is room."""
+        while self.waiting and self._can_admit():
+            request = self.waiting.popleft()
+            rid, ids = request.internal_id, request.ids
+            try:
+                prefetched = self._prefetch(m.EngramPrefetch(request_id=rid, ids=m.pack_ids(ids), offset=0, start=0))
+                self.encoder.send(m.Prefill(request_id=rid, ids=m.pack_ids(ids), mode=request.mode,
+                                            capacity=len(ids) + request.max_new_tokens, engram_prefetch=prefetched))
+            except ComponentError as e:
+                self._fail(request, e)
+                continue
+            request.sent_at = time.monotonic()
+            self.prefilling[rid] = request
+
+    def _prefilled(self, request: Request, answer: m.Logits | m.Error, frames: list[memoryview]) -> None:
+        """A prefill's reply: the request's first token, or back to the queue when no KV pages were free
+        (unless nothing else holds pages: then it can never fit, and fails)."""
+        if isinstance(answer, m.Error):
+            error = ComponentError(answer.code, answer.component, answer.text)
+            if answer.code == m.ErrorCode.CAPACITY and (self.active or self.prefilling):
+                self.waiting.appendleft(request)
+                self.blocked = True
+                self.counters["capacity_waits"] += 1
+                return
+            self._fail(request, error, release=False)  # a failed prefill leaves no state in the encoder
+            return
         request.prefill = answer
         request.ttft_s = time.perf_counter() - request.started
         request.engram_wait_s += answer.engram_wait_s
         self._emit(request, m.tensor(answer.logits, frames)[-1])
+
+    def _on_reply(self, message: m.Message, frames: list[memoryview]) -> None:
+        request = self.prefilling.pop(message.request_id, None)
+        if request is not None:  # anything else: the Ack of a Release, a cancelled request's prefill
+            self._prefilled(request, message, frames)
+
+    def _collect(self, timeout_s: float, until: int | None = None):
+        """Take the encoder's replies (prefills are answered as they come). Without `until`: wait up
+        to timeout_s for one, then take whatever else is there. With `until`: return that request's
+        reply as soon as it is there; raises ComponentError when it does not come within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        wait = timeout_s
+        while True:
+            try:
+                got = self.encoder.receive_any(min(wait, 1.0))
+            except ComponentError as e:  # the encoder is gone: every prefill in it is lost
+                for request in list(self.prefilling.values()):
+                    self._fail(request, e, release=False)
+                self.prefilling.clear()
+                raise
+            left = deadline - time.monotonic()
+            if got is None:
+                if until is None or left <= 0:
+                    break
+                wait = left
+                continue
+            message, frames = got
+            if until is not None and message.request_id in (until, 0):
+                if isinstance(message, m.Error):
+                    raise ComponentError(message.code, message.component, message.text)
+                return message, frames
+            self._on_reply(message, frames)
+            wait = 0.0 if until is None else max(left, 0.0)
+        if until is not None:
+            raise ComponentError(m.ErrorCode.UNAVAILABLE, "encoder", f"no reply within {timeout_s:.1f} s")
+        return None
+
+    def _expire(self) -> None:
+        """Prefills unanswered past the request timeout fail (the encoder died or hangs)."""
+        now = time.monotonic()
+        for rid, request in list(self.prefilling.items()):
+            if now - request.sent_at > self.timeout_s:
+                del self.prefilling[rid]
+                self._fail(request, ComponentError(m.ErrorCode.UNAVAILABLE, "encoder", "the prefill had no reply "
+                                                   f"within {self.timeout_s:.0f} s"))
+
+    def _cancel(self, client_id: int) -> None:
+        """Drop a client's request wherever it is; its state in the encoder and decoder is released."""
+        request = self.clients.pop(client_id, None)
+        if request is None:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            self.prefilling.pop(request.internal_id, None)
+            if request in self.active:
+                self.active.remove(request)
+            self._release(request.internal_id)
+        self.counters["cancelled"] += 1
+        self._close(request, m.FinishReason.CANCELLED)
 
     def _prefetch(self, message: m.EngramPrefetch) -> bool:
         """Ask the engram component to push rows to the encoder; when it cannot be reached the
@@ -104,38 +227,70 @@ class DSparkComponent(Component):
         return True
 
     def tick(self) -> bool:
-        """One batched step of every request in flight (up to MAX_BATCH of them)."""
-        if not self.active:
-            return False
-        batch = [self.active.popleft() for _ in range(min(len(self.active), m.MAX_BATCH))]
+        """Admit what fits, take prefill replies, and one batched step of every request decoding."""
+        self._admit()
+        busy = bool(self.active or self.prefilling)
         try:
-            items = [self._step_item(request) for request in batch]
-            answer, frames = self.encoder.call(m.BatchStep(request_id=new_request_id(), items=items))
+            if self.active:
+                self._step()
+            elif self.prefilling:
+                self._collect(0.05)
+        except ComponentError:
+            pass  # the requests concerned have failed; the next round starts afresh
+        self._expire()
+        self.counters.update({"running": len(self.active) + len(self.prefilling), "waiting": len(self.waiting),
+                              "prefilling": len(self.prefilling), "decoding": len(self.active)})
+        return busy
+
+    def _step(self) -> None:
+        """One batched step of the requests decoding (up to MAX_BATCH of them). A request whose step
+        found no free KV page tries again next round while others progress (they free pages as they
+        end); when none progressed, the newest of them fails with CAPACITY."""
+        batch = [self.active.popleft() for _ in range(min(len(self.active), m.MAX_BATCH))]
+        tails = {}
+        try:
+            items = []
+            for request in batch:
+                item, tails[request.internal_id] = self._step_item(request)
+                items.append(item)
+            batch_id = new_request_id()
+            self.encoder.send(m.BatchStep(request_id=batch_id, items=items))
+            answer, frames = self._collect(self.timeout_s, until=batch_id)
         except (ComponentError, m.MessageError) as e:
             for request in batch:
-                self._fail(request, request.client_id, request.reply, e)
-            return True
+                self._fail(request, e)
+            return
         logits = dict(zip(answer.request_ids, m.tensor(answer.logits, frames).split(answer.sizes), strict=True))
         errors = {e.request_id: ComponentError(e.code, e.component, e.text) for e in answer.errors}
+        no_pages = [r for r in batch if r.internal_id not in logits and r.internal_id in errors
+                    and errors[r.internal_id].code == m.ErrorCode.CAPACITY]
+        if no_pages and len(no_pages) == len(batch) and not self.prefilling:
+            newest = max(no_pages, key=lambda r: r.started)
+            no_pages = [r for r in no_pages if r is not newest]
         for request in batch:
             try:
+                if request in no_pages:  # stepped again next round, at the same position
+                    self.counters["capacity_waits"] += 1
+                    self.active.append(request)
+                    continue
                 if request.internal_id not in logits:
                     raise errors.get(request.internal_id) or ComponentError(
                         m.ErrorCode.INTERNAL, "encoder", "the batch reply left this request out")
+                request.tail = tails[request.internal_id]
                 self._emit(request, logits[request.internal_id][-1])
             except (ComponentError, m.MessageError) as e:
-                self._fail(request, request.client_id, request.reply, e)
-        return True
+                self._fail(request, e)
 
-    def _step_item(self, request: Request) -> m.StepItem:
-        """The request's next step: its last token (with the Engram rows pushed ahead)."""
+    def _step_item(self, request: Request) -> tuple[m.StepItem, list[int]]:
+        """The request's next step: its last token (with the Engram rows pushed ahead), and the
+        look-back ids after it."""
         token, rid = request.generated[-1], request.internal_id
         position = request.prompt_tokens + len(request.generated) - 1
         window = [*request.tail, token]
-        request.tail = window[max(0, len(window) - self.lookback):] if self.lookback else []
+        tail = window[max(0, len(window) - self.lookback):] if self.lookback else []
         prefetched = self._prefetch(m.EngramPrefetch(request_id=rid, ids=m.pack_ids(window),
                                                      offset=position + 1 - len(window), start=position))
-        return m.StepItem(request_id=rid, ids=m.pack_ids([token]), engram_prefetch=prefetched)
+        return m.StepItem(request_id=rid, ids=m.pack_ids([token]), engram_prefetch=prefetched), tail
 
     def _emit(self, request: Request, logits: torch.Tensor) -> None:
         token = int(sample_next(logits.unsqueeze(0), request.sampling, request.generator)[0])
@@ -147,27 +302,42 @@ class DSparkComponent(Component):
             self.active.append(request)
 
     def _finish(self, request: Request, reason: m.FinishReason) -> None:
-        prefill = request.prefill
-        request.reply(m.Finished(
-            request_id=request.client_id, reason=reason, prompt_tokens=request.prompt_tokens,
-            generated_tokens=len(request.generated), cached_tokens=prefill.cached_tokens,
-            replayed_layer_tokens=prefill.replayed_layer_tokens, encoder_layer_tokens=prefill.encoder_layer_tokens,
-            ttft_s=request.ttft_s, decode_s=time.perf_counter() - request.started - request.ttft_s,
-            engram_wait_s=request.engram_wait_s))
+        self.clients.pop(request.client_id, None)
+        self.counters[f"finished_{reason.name.lower()}"] += 1
+        self._close(request, reason)
         self._release(request.internal_id)
 
-    def _fail(self, request: Request | None, client_id: int, reply: Reply, error: Exception) -> None:
+    def _close(self, request: Request, reason: m.FinishReason) -> None:
+        prefill, decode_s = request.prefill, 0.0
+        if prefill is not None:
+            decode_s = max(0.0, time.perf_counter() - request.started - request.ttft_s)
+        request.reply(m.Finished(
+            request_id=request.client_id, reason=reason, prompt_tokens=request.prompt_tokens,
+            generated_tokens=len(request.generated), cached_tokens=getattr(prefill, "cached_tokens", 0),
+            replayed_layer_tokens=getattr(prefill, "replayed_layer_tokens", 0),
+            encoder_layer_tokens=getattr(prefill, "encoder_layer_tokens", 0), ttft_s=request.ttft_s,
+            decode_s=decode_s, engram_wait_s=request.engram_wait_s))
+
+    def _fail(self, request: Request | None, error: Exception, client_id: int = 0, reply: Reply | None = None,
+              release: bool = True) -> None:
+        """Answer a failed request with its error; a request that was sent on has its state released."""
         self.counters["failed_requests"] += 1
+        if request is not None:
+            client_id, reply = request.client_id, request.reply
+            self.clients.pop(client_id, None)
         if isinstance(error, ComponentError):
             reply(m.error_reply(client_id, error.code, error.component, error.text))
         else:
             reply(m.error_reply(client_id, error.code, self.name, str(error)))
-        if request is not None:
+        if request is not None and release:
             self._release(request.internal_id)
 
     def _release(self, rid: int) -> None:
+        """Tell the encoder (which tells the decoder) to drop the request's state; its Ack is not
+        waited for (replies are taken in `_collect`). A freed sequence may let a queued request in."""
+        self.blocked = False
         try:
-            self.encoder.call(m.Release(request_id=rid), timeout_s=5.0)
+            self.encoder.send(m.Release(request_id=rid))
         except ComponentError:
             self.counters["release_unconfirmed"] += 1
 

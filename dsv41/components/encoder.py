@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
 import torch
@@ -101,6 +102,10 @@ class EncoderComponent(Component):
         self.sequences = Sequences(context.pipeline.generation.request_timeout_s)
         self.decoder = context.peer("decoder")
         self.kvstore = context.peer("kvstore", timeout_s=STORE_TIMEOUT_S)
+        # prefills in progress, oldest first: one chunk runs per turn of the loop, so the steps of
+        # requests already decoding are served between the chunks of a long prompt
+        self.jobs: dict[int, tuple[Iterator[int], Reply]] = {}
+        self._full_jobs: set[int] = set()  # jobs whose chunks the decoder has seen
 
     def deliver(self, message: m.Message, frames: list[memoryview]) -> None:
         self.mailbox.put(message, frames)
@@ -109,7 +114,10 @@ class EncoderComponent(Component):
         with page_capacity():
             match message:
                 case m.Prefill():
-                    self._prefill(message, reply)
+                    if message.request_id in self.jobs or self._holds(message.request_id):
+                        raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"request {message.request_id} already "
+                                             "has a sequence")
+                    self.jobs[message.request_id] = (self._prefill(message, reply), reply)
                 case m.Step():
                     self._step(message, reply)
                 case m.BatchStep():
@@ -119,8 +127,43 @@ class EncoderComponent(Component):
                     reply(m.Ack(request_id=message.request_id))
 
     # --- prefill ---------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _prefill(self, message: m.Prefill, reply: Reply) -> None:
+    def _advance(self) -> bool:
+        """Run the next chunk of the oldest prefill; a prefill that fails is answered with its error
+        and leaves no state behind. True if there was one."""
+        if not self.jobs:
+            return False
+        rid, (job, reply) = next(iter(self.jobs.items()))
+        try:
+            with torch.inference_mode(), page_capacity():
+                next(job)
+            return True
+        except StopIteration:
+            self.jobs.pop(rid, None)
+        except (m.MessageError, ComponentError) as e:
+            self._fail_job(rid, reply, e.code, getattr(e, "component", self.name), getattr(e, "text", str(e)))
+        except Exception as e:  # noqa: BLE001 - a failing prefill fails alone
+            self.counters["internal_errors"] += 1
+            self._fail_job(rid, reply, m.ErrorCode.INTERNAL, self.name, f"{type(e).__name__}: {e}")
+        return True
+
+    def _holds(self, rid: int) -> bool:
+        try:
+            self.sequences.get(rid)
+        except m.MessageError:
+            return False
+        return True
+
+    def _fail_job(self, rid: int, reply: Reply, code: m.ErrorCode, component: str, text: str) -> None:
+        """A failed prefill leaves no state: here, and in the decoder once a `full` prefill has sent it
+        chunks (a `ced` prefill's decoder sequence is dropped there when its DecoderPrefill fails)."""
+        if self._drop(rid) and rid in self._full_jobs:
+            self._release(rid)
+        self._full_jobs.discard(rid)
+        reply(m.error_reply(rid, code, component, text))
+
+    def _prefill(self, message: m.Prefill, reply: Reply) -> Iterator[int]:
+        """A prefill as a generator that yields after each chunk of chunk_size prompt tokens and
+        replies when done (the checks, the prefix lookup and the page reservation come first)."""
         rid, ids = message.request_id, m.unpack_ids(message.ids, self.vocab_size)
         self._check_prompt(rid, ids, message.capacity)
         keys, blocks, snapshot = self._load_prefix(ids) if message.mode == "ced" else ([], [], None)
@@ -129,12 +172,14 @@ class EncoderComponent(Component):
         waited = self.mailbox.waited_s
         rows_for = (lambda start, end: self._rows(rid, start, end)) if message.engram_prefetch else None
         if message.mode == "full":
-            answer, out = self._prefill_full(rid, seq, ids, rows_for)
+            answer, out = yield from self._prefill_full(rid, seq, ids, rows_for)
         else:
             snapshot_at = snapshot_position(len(ids), self.layout.block_tokens, cached) if keys else None
-            answer, out = self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for, snapshot,
-                                            snapshot_at)
+            answer, out = yield from self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for,
+                                                       snapshot, snapshot_at)
             self._store_blocks(seq, keys, len(blocks))
+        self.jobs.pop(rid, None)
+        self._full_jobs.discard(rid)
         c = seq.counters
         self.counters.update(prefills=1, prompt_tokens=len(ids), cached_tokens=cached,
                              encoder_layer_tokens=c.encoder_layer_tokens, replayed_layer_tokens=c.replayed_layer_tokens)
@@ -154,8 +199,8 @@ class EncoderComponent(Component):
 
     def _prefill_ced(self, rid, seq: Sequence, ids: list[int], exact: bool, cached: int, rows_for, snapshot,
                      snapshot_at):
-        x, pre_mix, starts = self.core.encode_prompt(seq, torch.tensor([ids]), exact, cached, rows_for, snapshot,
-                                                     snapshot_at)
+        x, pre_mix, starts = yield from self.core.encode_prompt_steps(seq, torch.tensor([ids]), exact, cached, rows_for,
+                                                                      snapshot, snapshot_at)
         group, n = seq.cache.groups[self.decoder_group], len(ids)
         out = m.Frames()
         request = m.DecoderPrefill(
@@ -167,6 +212,9 @@ class EncoderComponent(Component):
     def _prefill_full(self, rid, seq: Sequence, ids: list[int], rows_for):
         """Every chunk through the encoder, then through the decoder (which computes its own KV)."""
         for start in range(0, len(ids), self.core.chunk_size):
+            if start:
+                self._full_jobs.add(rid)
+                yield start
             chunk = ids[start : start + self.core.chunk_size]
             fetch = functools.partial(rows_for, start, start + len(chunk)) if rows_for else None
             answer = self._forward(rid, seq, chunk, fetch, first=start == 0)
@@ -292,12 +340,25 @@ class EncoderComponent(Component):
             return None
 
     def tick(self) -> bool:
+        busy = self._advance()
+        self.counters["prefills_in_progress"] = len(self.jobs)
         self.counters["idle_sequences_dropped"] += self.sequences.sweep()
         self.counters["sequences"], self.counters["pages_in_use"] = len(self.sequences), self.sequences.pages_in_use()
-        return False
+        return busy
+
+    def _drop(self, request_id: int) -> bool:
+        """Forget a request here (its prefill, sequence and Engram rows); True if it had a sequence."""
+        job = self.jobs.pop(request_id, None)
+        if job is not None:
+            job[0].close()
+        held = self._holds(request_id)
+        self.sequences.pop(request_id)
+        self.mailbox.drop(request_id)
+        return held
 
     def _release(self, request_id: int) -> None:
-        self.sequences.pop(request_id)
+        self._drop(request_id)
+        self._full_jobs.discard(request_id)
         self.mailbox.drop(request_id)
         try:
             self.decoder.call(m.Release(request_id=request_id), timeout_s=5.0)

@@ -338,6 +338,25 @@ class Peer:
         raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name,
                              f"no reply within {timeout_s or self.timeout_s:.1f} s")
 
+    def receive_any(self, timeout_s: float) -> tuple[m.Message, list[memoryview]] | None:
+        """The next reply to any request (an `Error` is returned, not raised), or None when none
+        comes within timeout_s; raises ComponentError when the peer disconnects or sends garbage.
+        For a caller with several requests in flight on this peer (a scheduler's prefills and steps)."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.monitor is not None:
+            poller.register(self.monitor, zmq.POLLIN)
+        ready = dict(poller.poll(max(0.0, timeout_s) * 1000))
+        if self.monitor is not None and self.monitor in ready and self._drain_monitor():
+            raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name, "disconnected while answering "
+                                 "(the component died or restarted)")
+        if self.sock not in ready:
+            return None
+        try:
+            return m.decode(self.sock.recv_multipart(copy=False), limits=self.limits)
+        except m.MessageError as e:
+            raise ComponentError(e.code, self.name, f"sent an unreadable reply: {e}") from None
+
     def _take(self, request_id: int):
         try:
             message, frames = m.decode(self.sock.recv_multipart(copy=False), limits=self.limits)

@@ -189,6 +189,16 @@ class InferenceCore:
 
     def encode_prompt(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0, rows_for=None,
                       snapshot: bytes | None = None, snapshot_at: int | None = None):
+        """`encode_prompt_steps` run to the end (see there)."""
+        steps = self.encode_prompt_steps(seq, tokens, exact, cached, rows_for, snapshot, snapshot_at)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def encode_prompt_steps(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0,
+                            rows_for=None, snapshot: bytes | None = None, snapshot_at: int | None = None):
         """The encoder half of a `ced`/`exact` prefill: the encoder over tokens from `cached` on,
         CED-projecting the decoder's global KV. With a cached prefix (global KV loaded, no SWA
         state), its last W tokens are first replayed through the encoder to rebuild the encoder's
@@ -197,7 +207,9 @@ class InferenceCore:
         every decoder layer's start. `rows_for(start, end)` supplies prefetched Engram rows (None:
         look them up here). A pooled `snapshot` of the encoder rings at `cached` replaces the encoder
         replay when the decoder replay starts inside the new tokens (the result is then exact); the
-        rings at `snapshot_at` are kept in `seq.snapshots`."""
+        rings at `snapshot_at` are kept in `seq.snapshots`. A generator: it yields the positions
+        done after each chunk (so a scheduler can run decode steps of other sequences between chunks)
+        and returns (x, pre_mix, starts)."""
         n = tokens.size(1)
         starts = self._decoder_starts(n, exact)
         kept = []
@@ -211,6 +223,8 @@ class InferenceCore:
             kept.append(self._encode(seq, tokens, start, end, starts[0], False, rows_for))
             if end == snapshot_at:
                 seq.snapshots[end] = encoder_rings(seq.cache, self.encoder_ids)
+            if end < n:
+                yield end
         x = torch.cat([k[0] for k in kept if k is not None], dim=1)
         pre_mix = torch.cat([k[1] for k in kept if k is not None], dim=1)
         seq.cache.length = n

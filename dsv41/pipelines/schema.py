@@ -83,7 +83,9 @@ class GenerationSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 64
     # how a prompt is prefilled: compressed encoder-decoder, exact, or full attention
     prefill_mode: Literal["ced", "exact", "full"] = "ced"
-    # prompt tokens per prefill step (a `full` prefill returns logits for each, so it bounds message sizes)
+    # prompt tokens per prefill step: the encoder serves the decode steps of running requests between two
+    # steps, so this is the prefill's share of each step's token budget (a `full` prefill returns logits
+    # for each, so it also bounds message sizes)
     chunk_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 512
     # sampling temperature; 0 is greedy
     temperature: Annotated[float, msgspec.Meta(ge=0, le=MAX_TEMPERATURE)] = 0.0
@@ -91,6 +93,16 @@ class GenerationSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
     # seconds a request may take before it is abandoned
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=DAY_S)] = 600.0
+
+
+class SchedulingSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    # requests prefilling or decoding at once (each decoding request takes one token per batched step)
+    max_running: Annotated[int, msgspec.Meta(ge=1, le=256)] = 64
+    # requests waiting for a running slot or for KV pages, first come first served; when it is full a
+    # new request is refused (CAPACITY; HTTP 429)
+    max_waiting: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 256
+    # seconds an HTTP client refused for capacity is told to wait (Retry-After)
+    retry_after_s: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 1
 
 
 class SupervisorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -163,6 +175,8 @@ class Pipeline(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     store: StoreSpec = StoreSpec()
     # generation defaults
     generation: GenerationSpec = GenerationSpec()
+    # continuous batching: how many requests run at once and how many may wait
+    scheduling: SchedulingSpec = SchedulingSpec()
     # restart policy of component processes
     supervisor: SupervisorSpec = SupervisorSpec()
     # keys for tcp endpoints reachable from other machines
