@@ -35,22 +35,27 @@ STORE_TIMEOUT_S = 30.0  # block reads and writes move up to hundreds of MB
 class EngramMailbox:
     """Prefetched Engram rows by request, filled by the I/O thread, taken by the compute loop."""
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, clock=time.monotonic):
+        self.timeout_s, self.clock = timeout_s, clock
         self._rows: dict[int, list[tuple[int, torch.Tensor, float]]] = {}
         self._changed = threading.Condition()
+        self._next_sweep = 0.0
         self.waited_s = 0.0
-        self.leads_s: list[float] = []  # need time - arrival time, per take (negative: late)
+        self.last_lead_s = 0.0  # need time - arrival time of the latest take (negative: late)
+
+    def __len__(self) -> int:
+        """Requests whose rows are held."""
+        return len(self._rows)
 
     def put(self, message: m.EngramRows, frames: list[memoryview]) -> None:
         rows = m.tensor(message.rows, frames)
         with self._changed:
-            self._rows.setdefault(message.request_id, []).append((message.start, rows, time.monotonic()))
+            self._rows.setdefault(message.request_id, []).append((message.start, rows, self.clock()))
             self._changed.notify_all()
 
     def take(self, request_id: int, start: int, end: int) -> dict[int, torch.Tensor]:
         """Rows of positions start..end-1 by table index [1, s, n_cols, head_dim]; waits for them."""
-        need, deadline = time.monotonic(), time.monotonic() + self.timeout_s
+        need, deadline = self.clock(), time.monotonic() + self.timeout_s
         with self._changed:
             while (found := self._find(request_id, start, end)) is None:
                 if not self._changed.wait(deadline - time.monotonic()):
@@ -59,8 +64,8 @@ class EngramMailbox:
         first, rows, arrived = found
         with self._changed:  # positions only move forward: rows that end before `start` are spent
             self._rows[request_id] = [r for r in self._rows.get(request_id, []) if r[0] + r[1].size(1) > start]
-        self.waited_s += max(0.0, time.monotonic() - need)
-        self.leads_s.append(need - arrived)
+        self.waited_s += max(0.0, self.clock() - need)
+        self.last_lead_s = need - arrived
         part = rows[:, start - first : end - first]
         return {i: part[i].unsqueeze(0) for i in range(part.size(0))}
 
@@ -73,6 +78,22 @@ class EngramMailbox:
     def drop(self, request_id: int) -> None:
         with self._changed:
             self._rows.pop(request_id, None)
+
+    def sweep(self, live, max_age_s: float) -> int:
+        """Drop the rows of requests that `live(request_id)` denies and whose rows all arrived over
+        max_age_s ago (at most once a second): rows pushed after their request failed or was
+        released, or for a prefill that never came, which nobody would ever take. Returns how many
+        requests' rows were dropped."""
+        now = self.clock()
+        if now < self._next_sweep:
+            return 0
+        self._next_sweep = now + 1.0
+        with self._changed:
+            stale = [rid for rid, rows in self._rows.items()
+                     if not live(rid) and now - max(r[2] for r in rows) > max_age_s]
+            for rid in stale:
+                del self._rows[rid]
+        return len(stale)
 
 
 def _relay(answer: m.Logits | m.BatchLogits, frames: list[memoryview]):
@@ -331,7 +352,7 @@ class EncoderComponent(Component):
         this process still holds the tables, so a slow or dead engram component costs time only."""
         try:
             rows = self.mailbox.take(request_id, start, end)
-            lead_us = int(self.mailbox.leads_s[-1] * 1e6)  # > 0: the rows were there before they were needed
+            lead_us = int(self.mailbox.last_lead_s * 1e6)  # > 0: the rows were there before they were needed
             self.counters.update(engram_rows_early=lead_us >= 0, engram_rows_late=lead_us < 0,
                                  engram_lead_us=max(lead_us, 0), engram_late_us=max(-lead_us, 0))
             return rows
@@ -343,7 +364,9 @@ class EncoderComponent(Component):
         busy = self._advance()
         self.counters["prefills_in_progress"] = len(self.jobs)
         self.counters["idle_sequences_dropped"] += self.sequences.sweep()
+        self.counters["engram_rows_dropped"] += self.mailbox.sweep(self.sequences.__contains__, self.sequences.idle_s)
         self.counters["sequences"], self.counters["pages_in_use"] = len(self.sequences), self.sequences.pages_in_use()
+        self.counters["engram_rows_held"] = len(self.mailbox)
         return busy
 
     def _drop(self, request_id: int) -> bool:
