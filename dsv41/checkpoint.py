@@ -154,6 +154,21 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_FILE = "generation_config.json"
+BUILTIN_MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
+def builtin_models() -> list[str]:
+    """Names of the model directories shipped in the package."""
+    return sorted(p.parent.name for p in BUILTIN_MODELS_DIR.glob(f"*/{CONFIG_FILE}"))
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """A model directory given by path, or a built-in model by name (`small` is dsv41/models/small).
+    A bare name of a built-in model comes first, as built-in config names do."""
+    name = str(model)
+    if name == Path(name).name and (BUILTIN_MODELS_DIR / name / CONFIG_FILE).is_file():
+        return BUILTIN_MODELS_DIR / name
+    return Path(model).expanduser()
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -274,8 +289,9 @@ class ModelDir:
 def open_model_dir(path: str | Path) -> ModelDir:
     """Check a model directory and describe it, without reading any weights: the config (either
     official format), the weight files (single file, or an index and every shard it names, each
-    holding the tensors the index puts there), tokenizer.json and generation_config.json if present."""
-    path = Path(path).expanduser()
+    holding the tensors the index puts there), tokenizer.json and generation_config.json if present.
+    `path` may name a built-in model (`resolve_model_dir`)."""
+    path = resolve_model_dir(path)
     if not path.is_dir():
         raise CheckpointError(str(path), ["no such model directory"])
     if not (path / CONFIG_FILE).is_file():
@@ -370,7 +386,7 @@ DEQUANTIZED_AT_LOAD = (".wo_a.weight",)
 NOT_YET_USED = ("mtp.",)
 
 
-def _dequantize_fp8_tiles(weight: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+def dequantize_fp8_tiles(weight: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
     rows = scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)
     return (weight.float() * rows[: weight.size(0), : weight.size(1)]).to(torch.bfloat16)
 
@@ -384,7 +400,7 @@ def _convert(name: str, stored: torch.Tensor, param: torch.Tensor, read) -> torc
         if scale.dtype != torch.float8_e8m0fnu or scale.shape != _tile_grid(stored.shape):
             return (f"{name[: -len('weight')]}scale: {scale.dtype} {tuple(scale.shape)}, expected "
                     f"torch.float8_e8m0fnu {_tile_grid(stored.shape)}")
-        stored = _dequantize_fp8_tiles(stored, scale)  # wo_a: exact, the scales are powers of 2
+        stored = dequantize_fp8_tiles(stored, scale)  # wo_a: exact, the scales are powers of 2
     elif stored.dtype == torch.bfloat16 and param.dtype == torch.float32 and name.endswith(PROMOTED_TO_FP32):
         stored = stored.float()
     if stored.dtype != param.dtype:

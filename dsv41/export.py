@@ -37,7 +37,7 @@ from dsv41.checkpoint import (
     CheckpointError,
     GenerationConfig,
     ModelDir,
-    _dequantize_fp8_tiles,
+    dequantize_fp8_tiles,
     load_weights,
     open_model_dir,
     read_tensors,
@@ -186,7 +186,7 @@ def _gives_back(slot: Slot, source: torch.Tensor, stored: torch.Tensor, scale: t
 def dequantize(form: Form, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The fp32 values a stored weight stands for (what a float weight was quantised to)."""
     if form is Form.FP8_TILES:
-        return _dequantize_fp8_tiles(weight, scale).float()  # bf16 holds every FP8 value times a power of 2
+        return dequantize_fp8_tiles(weight, scale).float()  # bf16 holds every FP8 value times a power of 2
     if form is Form.FP4:
         return (unpack_e2m1(weight).unflatten(-1, (-1, BLOCK)) * scale.float().unsqueeze(-1)).flatten(-2)
     return (weight.float().unflatten(-1, (-1, BLOCK)) * scale.float().unsqueeze(-1)).flatten(-2)

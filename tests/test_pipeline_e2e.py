@@ -103,7 +103,7 @@ def test_local_and_inproc_pipelines_equal_the_in_process_core(prompts, expected,
 
 def test_epd_over_tcp_with_curve_keys(prompts, expected, root):
     generate_keys(root / "keys")
-    pipeline = with_overrides(load_pipeline("epd"), model={"config": "micro", "seed": 3},
+    pipeline = with_overrides(load_pipeline("epd"), model={"config": "micro", "seed": 3, "checkpoint": None},
                               store={"path": str(root / "kv"), "block_tokens": 16},
                               security={"keys_dir": str(root / "keys")})
     with Supervisor(pipeline, root / "run") as supervisor:

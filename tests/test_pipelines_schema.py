@@ -59,7 +59,7 @@ def endpoints(**by_component: str) -> str:
 def test_builtin_pipelines_load_with_all_components(name):
     p = load_pipeline(name)
     assert p.name == name and tuple(p.components) == COMPONENTS
-    assert (p.model.config, p.model.seed, p.model.checkpoint) == ("mini", 0, None)
+    assert p.model.checkpoint == "small"  # the trained default model, by its built-in name
 
 
 def test_local_lists_every_default_and_runs_components_as_processes():
@@ -306,13 +306,15 @@ def test_missing_config_checkpoint_and_keys_are_refused(tmp_path):
     assert found == [
         f"3: model.config: no such config file '{tmp_path}/none.json'; a built-in config "
         f"({', '.join(BUILTIN_CONFIGS)}) or a config.json path",
-        f"4: model.checkpoint: no such directory '{tmp_path}/ckpt'",
+        f"4: model.checkpoint: no such directory '{tmp_path}/ckpt'; a model directory or a built-in model (small)",
         f"13: security.keys_dir: no such directory '{tmp_path}/keys'",
     ]
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "keys").mkdir()
     (tmp_path / "none.json").write_text("{}")
     assert load_pipeline(tmp_path / "p.yaml").model.checkpoint == f"{tmp_path}/ckpt"
+    (tmp_path / "builtin.yaml").write_text(text.replace(f"checkpoint: {tmp_path}/ckpt", "checkpoint: small"))
+    assert load_pipeline(tmp_path / "builtin.yaml").model.checkpoint == "small"  # a built-in model's name
 
 
 @pytest.mark.parametrize(("field", "line"), [("runtime_dir: /run/a/../b", 11), ("store: {path: ../kv}", 11)])

@@ -9,10 +9,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from dsv41.checkpoint import load_model
 from dsv41.cli.main import cli
 from dsv41.config import load_config
+from dsv41.export import export_model
 from dsv41.model.reference import random_model
 from dsv41.model.tokenizer import byte_tokenizer
+from dsv41.training.export import load_trained
 from dsv41.training.indexer_loss import indexer_kl
 from dsv41.training.loop import new_model
 from dsv41.training.master import inference_model, to_training
@@ -115,11 +118,13 @@ def test_indexer_kl_values():
     assert indexer_kl(scores, skewed, mask).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
-def test_training_form_gives_back_the_served_model_exactly():
-    """Masters made from a served model quantize back to the same values (FP4 bytes may pick another
-    equal encoding), and inference on the result matches the original bit for bit: training mode
-    leaves the inference path alone."""
-    served = random_model("micro", 0)
+def test_training_form_gives_back_the_served_model_exactly(tmp_path):
+    """Masters made from a served model (as a model directory holds it) quantize back to the same
+    values (FP4 bytes may pick another equal encoding), and inference on the result matches the
+    original bit for bit: training mode leaves the inference path alone."""
+    random = random_model("micro", 0)
+    export_model(random, random.config, tmp_path / "m")
+    served, _ = load_model(tmp_path / "m")
     ids = torch.randint(3, 259, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = served(ids).logits
@@ -130,3 +135,24 @@ def test_training_form_gives_back_the_served_model_exactly():
         assert torch.equal(back(ids).logits, before)
     again = to_training(back).state_dict()
     assert masters.keys() == again.keys() and all(torch.equal(masters[k], again[k]) for k in masters)
+
+
+def test_convert_writes_a_training_checkpoint_as_a_model_directory(full_run, tmp_path):
+    """`dsv41 convert ckpt.pt DIR`: the directory loads as the release layout, and its model is the
+    checkpoint's `inference_model` bit for bit (the quality numbers of training are the served ones)."""
+    out, _ = full_run
+    result = _invoke(["convert", str(out / "ckpt-000020.pt"), str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    loaded, _ = load_model(tmp_path / "m")
+    trained, _, _, step = load_trained(out / "ckpt-000020.pt")
+    assert step == 20
+    ids = torch.randint(3, 259, (1, 24), generator=torch.Generator().manual_seed(2))
+    served = inference_model(trained)
+    assert all(torch.equal(value, served.state_dict()[name]) for name, value in loaded.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(served(ids).logits, loaded.eval()(ids).logits)
+    bad = tmp_path / "not-a-checkpoint.pt"
+    bad.write_bytes(b"garbage")
+    result = _invoke(["convert", str(bad), str(tmp_path / "n")])
+    assert result.exit_code == 1 and "is not a dsv41 training checkpoint" in result.output
+    assert not (tmp_path / "n").exists()

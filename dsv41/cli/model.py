@@ -24,9 +24,16 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable)
 
 
+def _model_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> Path | None:
+    """--model's directory as an absolute path; a built-in model's name (`small`) names its folder."""
+    from dsv41.checkpoint import resolve_model_dir
+
+    return None if value is None else resolve_model_dir(value).resolve()
+
+
 def model_option(help_text: str) -> Callable[[F], F]:
-    return click.option("--model", "model_path", metavar="DIR", help=help_text,
-                        type=click.Path(file_okay=False, resolve_path=True, path_type=Path))
+    return click.option("--model", "model_path", metavar="DIR", callback=_model_dir,
+                        help=f"{help_text} A built-in model's name (small) works too.")
 
 
 def open_model(path: Path) -> ModelDir:
@@ -97,7 +104,7 @@ def _tokenizer(model: str | Path, vocab_size: int) -> Tokenizer:
 
 
 @click.command("convert")
-@click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--max-shard-size", metavar="SIZE", help="Write model-0000i-of-0000n.safetensors shards of at most "
               "SIZE (e.g. 5GB, 500MiB) with model.safetensors.index.json; default: one model.safetensors.")
@@ -105,13 +112,16 @@ def convert(source: Path, out: Path, max_shard_size: str | None) -> None:
     """Rewrite the model directory SOURCE as OUT in the release's Hugging Face layout.
 
     SOURCE may hold either config format (config.json nested, or the flat inference one), one
-    safetensors file or shards; every weight is checked by loading it. OUT gets config.json,
+    safetensors file or shards; every weight is checked by loading it. SOURCE may also be a
+    `dsv41 train` checkpoint (ckpt-*.pt): its fp32 weights are quantised to the release's storage
+    formats (FP8 with E8M0 32x32 scales, MXFP4 experts, FP8 Engram rows). OUT gets config.json,
     generation_config.json, tokenizer.json (if SOURCE has one) and the weights under their official
     names and on-disk dtypes. OUT must not exist or be empty.
 
     \b
-    Example:
+    Examples:
       dsv41 convert ../shared/reference/golden golden-hf --max-shard-size 1MB
+      dsv41 convert runs/small/ckpt-000450.pt my-small
     """
     from dsv41 import export
     from dsv41.checkpoint import CheckpointError
@@ -122,10 +132,15 @@ def convert(source: Path, out: Path, max_shard_size: str | None) -> None:
             export.parse_size(max_shard_size)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--max-shard-size") from None
-    open_model(source)
     try:
-        written, _ = export.convert(source, out, max_shard_size=max_shard_size)  # loaded weights store exactly
-    except (CheckpointError, ConfigError, FileExistsError) as exc:
+        if source.is_file():
+            from dsv41.training.export import export_trained
+
+            written, _ = export_trained(source, out, max_shard_size=max_shard_size)
+        else:
+            open_model(source)
+            written, _ = export.convert(source, out, max_shard_size=max_shard_size)  # loaded weights store exactly
+    except (CheckpointError, ConfigError, FileExistsError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     files = ", ".join(f.name for f in written.weights_files)
     click.echo(f"wrote {written.path}: {files}" + (", tokenizer.json" if written.tokenizer_path else ""))

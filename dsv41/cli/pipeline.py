@@ -100,7 +100,7 @@ def _pipeline(source: str, store: Path | None = None, model: Path | None = None)
 
         pipeline = with_overrides(pipeline, **overrides)
     if pipeline.model.checkpoint:
-        open_model(Path(pipeline.model.checkpoint).expanduser())
+        open_model(pipeline.model.checkpoint)
     return pipeline
 
 

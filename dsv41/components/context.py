@@ -46,12 +46,20 @@ class ComponentContext:
         return pipeline_limits(self.config, self.pipeline)
 
     @cached_property
+    def checkpoint_dir(self) -> Path | None:
+        """The model directory of `model.checkpoint` (a path or a built-in model's name), if any."""
+        from dsv41.checkpoint import resolve_model_dir
+
+        checkpoint = self.pipeline.model.checkpoint
+        return resolve_model_dir(checkpoint) if checkpoint else None
+
+    @cached_property
     def config(self) -> ModelConfig:
         spec = self.pipeline.model
-        if spec.checkpoint:
+        if self.checkpoint_dir is not None:
             from dsv41.checkpoint import load_any_config
 
-            return load_any_config(Path(spec.checkpoint).expanduser() / "config.json")[0]
+            return load_any_config(self.checkpoint_dir / "config.json")[0]
         if spec.config.endswith(".json"):
             from dsv41.checkpoint import load_any_config
 
@@ -63,15 +71,14 @@ class ComponentContext:
         """The model's tokenizer.json (in the checkpoint or beside the config), else the byte stand-in."""
         from dsv41.model.tokenizer import load_tokenizer
 
-        spec = self.pipeline.model
-        return load_tokenizer(spec.checkpoint or spec.config, self.config.text_config.vocab_size)
+        return load_tokenizer(self.checkpoint_dir or self.pipeline.model.config, self.config.text_config.vocab_size)
 
     @property
     def weights_revision(self) -> str:
         """What identifies the weights in prefix-cache keys."""
         spec = self.pipeline.model
-        if spec.checkpoint:
-            files = sorted(Path(spec.checkpoint).expanduser().glob("*.safetensors"))
+        if self.checkpoint_dir is not None:
+            files = sorted(self.checkpoint_dir.glob("*.safetensors"))
             return "checkpoint:" + ",".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in files)
         return f"random:{spec.config}:{spec.seed}"
 
@@ -80,8 +87,8 @@ class ComponentContext:
 
         spec = self.pipeline.model
         model = random_model(self.config, spec.seed, self.tokenizer)
-        if spec.checkpoint:
+        if self.checkpoint_dir is not None:
             from dsv41.checkpoint import load_weights, weight_files
 
-            load_weights(model, weight_files(Path(spec.checkpoint).expanduser()))
+            load_weights(model, weight_files(self.checkpoint_dir))
         return model

@@ -26,10 +26,10 @@ def tables_path(context: ComponentContext) -> Path:
     given = context.option("engram", "tables", "")
     if given:
         return Path(str(given)).expanduser()
-    if context.pipeline.model.checkpoint:
+    if context.checkpoint_dir is not None:
         from dsv41.checkpoint import engram_tables_file, open_model_dir
 
-        return engram_tables_file(open_model_dir(context.pipeline.model.checkpoint))
+        return engram_tables_file(open_model_dir(context.checkpoint_dir))
     spec = context.pipeline.model
     path = Path("~/.cache/dsv41/engram").expanduser() / f"{Path(spec.config).stem}-seed{spec.seed}.safetensors"
     if not path.exists():

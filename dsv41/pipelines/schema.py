@@ -561,10 +561,13 @@ def _path_problems(p: Pipeline) -> list[Issue]:
     if p.model.config not in BUILTIN_CONFIGS and not Path(p.model.config).expanduser().is_file():
         issues.append((("model", "config"), f"no such config file {p.model.config!r}; a built-in config "
                                             f"({', '.join(BUILTIN_CONFIGS)}) or a config.json path"))
-    for key, directory in ((("model", "checkpoint"), p.model.checkpoint), (("security", "keys_dir"),
-                                                                           p.security.keys_dir)):
-        if directory is not None and not Path(directory).expanduser().is_dir():
-            issues.append((key, f"no such directory {directory!r}"))
+    from dsv41.checkpoint import builtin_models, resolve_model_dir
+
+    if p.model.checkpoint is not None and not resolve_model_dir(p.model.checkpoint).is_dir():
+        issues.append((("model", "checkpoint"), f"no such directory {p.model.checkpoint!r}; a model directory or a "
+                                                f"built-in model ({', '.join(builtin_models())})"))
+    if p.security.keys_dir is not None and not Path(p.security.keys_dir).expanduser().is_dir():
+        issues.append((("security", "keys_dir"), f"no such directory {p.security.keys_dir!r}"))
     return issues
 
 

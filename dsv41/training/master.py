@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsv41.checkpoint import DEQUANTIZED_AT_LOAD, PROMOTED_TO_FP32, dequantize_fp8_tiles
 from dsv41.model.engram import EngramTable
 from dsv41.model.layers import BLOCK, Linear, Storage
 from dsv41.model.quant import fp8_quant, quantize_weight_fp4, quantize_weight_fp8
@@ -46,7 +47,9 @@ def to_training(model: Transformer) -> Transformer:
 @torch.no_grad()
 def inference_state(model: Transformer) -> dict[str, torch.Tensor]:
     """The masters in the checkpoint's storage formats, by official name: FP8 (32x32 E8M0 tiles)
-    and FP4 linears, FP8 Engram rows (one scale per 32 channels), bf16/fp32 tensors cast."""
+    and FP4 linears, FP8 Engram rows (one scale per 32 channels), bf16/fp32 tensors cast; tensors a
+    loaded checkpoint holds in another form than it stores (FP8 wo_a dequantized, bf16 promoted to
+    fp32) take that form, so a model from these values equals the exported directory loaded."""
     reference = build_model(model.config, device="meta")
     state: dict[str, torch.Tensor] = {}
     for name, module in reference.named_modules():
@@ -59,8 +62,15 @@ def inference_state(model: Transformer) -> dict[str, torch.Tensor]:
             values, scale = fp8_quant(master.weight)
             state[f"{prefix}weight"], state[f"{prefix}scale"] = values, scale.to(torch.float8_e8m0fnu)
     for name, p in reference.named_parameters():
-        if name not in state:
-            state[name] = model.get_parameter(name).detach().to(p.dtype)
+        if name in state:
+            continue
+        master = model.get_parameter(name).detach()
+        if name.endswith(DEQUANTIZED_AT_LOAD):  # stored FP8, held as its bf16 dequantization
+            state[name] = dequantize_fp8_tiles(*quantize_weight_fp8(master))
+        elif name.endswith(PROMOTED_TO_FP32):  # stored bf16, held in fp32
+            state[name] = master.to(torch.bfloat16).to(p.dtype)
+        else:
+            state[name] = master.to(p.dtype)
     return state
 
 

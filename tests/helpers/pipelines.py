@@ -31,7 +31,7 @@ def pipeline_for(placement: str, root: Path, config: str = "micro", block_tokens
     components = {name: msgspec.structs.replace(spec, options={**(same_threads if name in ("encoder", "decoder")
                                                                    else {}), **options.get(name, {})})
                   for name, spec in base.components.items()}
-    return with_overrides(base, model={"config": config, "seed": 3},
+    return with_overrides(base, model={"config": config, "seed": 3, "checkpoint": None},
                           store={"path": str(root / "kv"), "block_tokens": block_tokens},
                           supervisor={"ready_timeout_s": 120.0, "backoff_s": 0.1},
                           generation={"request_timeout_s": 60.0}, components=components)
