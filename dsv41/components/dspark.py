@@ -238,8 +238,10 @@ class DSparkComponent(Component):
         except ComponentError:
             pass  # the requests concerned have failed; the next round starts afresh
         self._expire()
-        self.counters.update({"running": len(self.active) + len(self.prefilling), "waiting": len(self.waiting),
-                              "prefilling": len(self.prefilling), "decoding": len(self.active)})
+        gauges = {"running": len(self.active) + len(self.prefilling), "waiting": len(self.waiting),
+                  "prefilling": len(self.prefilling), "decoding": len(self.active)}
+        for key, value in gauges.items():  # set, not added (Counter.update adds)
+            self.counters[key] = value
         return busy
 
     def _step(self) -> None:

@@ -13,6 +13,7 @@ pipeline recomputes. A corrupt store file is moved aside and replaced by an empt
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -59,6 +60,7 @@ class KVStoreComponent(Component):
         self.block_tokens = context.pipeline.store.block_tokens
         self.policy = open_policy(context)
         self.counters["store_disabled"] = int(self.policy is None)
+        self._next_gauges = 0.0
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         rid = message.request_id
@@ -88,6 +90,7 @@ class KVStoreComponent(Component):
                     if payload is None:
                         break
                     payloads.append(out.add(torch.frombuffer(bytearray(payload), dtype=torch.uint8)))
+                    self.counters["store_read_bytes"] += len(payload)
                 reply(m.Blocks(request_id=rid, payloads=payloads), out)
             case m.PutBlocks():
                 reply(self._put(message, frames))
@@ -108,7 +111,22 @@ class KVStoreComponent(Component):
             self.counters["store_full"] += 1
             return m.Stored(request_id=message.request_id, stored=0, full=True)
         self.counters["stored_blocks"] += stored
+        if values:  # blocks already stored are skipped; all blocks of a layout are the same size
+            self.counters["store_written_bytes"] += sum(map(len, values.values())) * stored // len(values)
         return m.Stored(request_id=message.request_id, stored=stored)
+
+    def tick(self) -> bool:
+        """Gauges of the host SWA pool and the store for `dsv41 status` and /metrics."""
+        now = time.monotonic()
+        if self.policy is not None and now >= self._next_gauges:
+            self._next_gauges = now + 0.5
+            pool = self.policy.pool
+            gauges = {"swa_pool_entries": len(pool), "swa_pool_bytes": pool.bytes_used,
+                      "swa_pool_expired": pool.counters.expired, "swa_pool_evicted": pool.counters.evicted,
+                      "store_size_bytes": self.policy.store.stored_bytes()}
+            for key, value in gauges.items():  # set, not added (Counter.update adds)
+                self.counters[key] = value
+        return False
 
     def close(self) -> None:
         if self.policy is not None:
