@@ -180,3 +180,42 @@ def test_an_all_zero_weight_tile_gets_the_floor_scale(rng):
     q, scale = quant.quantize_weight_fp8(w)
     assert scale.view(torch.uint8)[1, 0].item() == 127 - 22  # 2^ceil(log2(1e-4 / 448)) = 2^-22
     assert (q.float()[32:, :32] == 0).all() and not q.float().isnan().any()
+
+
+def general_fp8_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_quant spelled out with the bit-exact codecs (the path a NaN element takes)."""
+    groups = x.float().unflatten(-1, (-1, block))
+    amax = groups.abs().nan_to_num(nan=0.0, posinf=0.0).amax(-1).clamp_min(1e-4)
+    scale = codecs.pow2_scale_up(amax, quant.FP8_MAX)
+    return quant.to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2), scale
+
+
+def test_fp8_quant_short_path_gives_the_codecs_bits(rng):
+    """Magnitudes from 2^-140 to 2^120 (subnormal results, clamped scales, exact powers of two),
+    with ±inf and -0 among them: the same E4M3 bytes and scales as the general codecs."""
+    x = torch.randn(64, 256, generator=rng) * torch.pow(2.0, torch.randint(-140, 120, (64, 8), generator=rng)
+                                                          .float()).repeat_interleave(32, dim=1)
+    x[0, :32] = 2.0 ** torch.arange(-10, 22).float()  # powers of two: the scale must not round up
+    x[1, 3], x[2, 40], x[3, 7] = torch.inf, -torch.inf, -0.0
+    x[4, :32] = 0.0  # an all-zero block: the 1e-4 floor
+    q, s = quant.fp8_quant(x)
+    want_q, want_s = general_fp8_quant(x)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    x[5, 9] = torch.nan  # takes the general path
+    q, s = quant.fp8_quant(x)
+    want_q, want_s = general_fp8_quant(x)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
+def test_block_scaled_matmul_adds_the_blocks_in_k_order(rng):
+    """The product with every block's partial scaled and added in K order from +0, as a plain loop
+    does it (an fp32 sum in another order would differ in the last bits)."""
+    a, a_scale = quant.fp8_quant(torch.randn(5, 320, generator=rng))
+    w, w_scale = quant.fp8_quant(torch.randn(48, 320, generator=rng) * 3)
+    a, w = a.float(), w.float()
+    partials = torch.bmm(a.view(5, 10, 32).transpose(0, 1), w.view(48, 10, 32).permute(1, 2, 0))
+    want = torch.zeros(5, 48)
+    for i in range(10):
+        want = want + partials[i] * a_scale[:, i : i + 1] * w_scale[:, i].unsqueeze(0)
+    got = quant.block_scaled_matmul(a, a_scale, w, w_scale)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -58,12 +58,27 @@ def _groups(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.float().unflatten(-1, (-1, block))
 
 
+_FP8_RECIPROCAL = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
+_FP32_MANTISSA, _FP32_EXPONENT = 0x7FFFFF, 0x7F800000
+
+
 def fp8_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 activation quantization: (E4M3 values [..., K], fp32 pow-2 scales [..., K/block])."""
+    """FP8 activation quantization: (E4M3 values [..., K], fp32 pow-2 scales [..., K/block]).
+
+    It runs before every quantized GEMM, so it takes a short path with the same bits: amax is
+    clamped to >= 1e-4 and finite, so amax / 448 is a normal fp32 far inside E8M0's range and its
+    power-of-two ceiling is one add and mask on the bits; the scaled values are within ±448 (±inf
+    elements clamp there), so torch's saturating-free float8 cast rounds them as `to_e4m3` does.
+    A NaN element takes the general path (its code keeps its sign there)."""
     groups = _groups(x, block)
     amax = _finite_amax(groups).clamp_min(1e-4)
-    scale = pow2_scale_up(amax, FP8_MAX)
-    return to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2), scale
+    if groups.isnan().any():
+        scale = pow2_scale_up(amax, FP8_MAX)
+        return to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2), scale
+    ratio = (amax * _FP8_RECIPROCAL).view(torch.int32)
+    scale = ((ratio + _FP32_MANTISSA) & _FP32_EXPONENT).view(torch.float32)
+    values = (groups / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.flatten(-2), scale
 
 
 def straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
@@ -123,9 +138,12 @@ def block_scaled_matmul(
     m, k = a.shape
     n, nk = w.size(0), k // block
     partials = numerics.bmm(a.view(m, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
+    # every block's (partial * a_scale) * w_scale at once, then the blocks added in K order from +0
+    # (a loop of in-place adds: a cumsum or sum would accumulate in another order or in double)
+    scaled = partials.mul_(a_scale.t().unsqueeze(-1)).mul_(w_scale.t().unsqueeze(1))
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     for i in range(nk):
-        acc += partials[i] * a_scale[:, i : i + 1] * w_scale[:, i].unsqueeze(0)
+        acc.add_(scaled[i])
     return acc
 
 
