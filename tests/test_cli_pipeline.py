@@ -197,7 +197,7 @@ def test_component_serves_in_the_foreground_and_status_sees_it(tmp_path, runtime
 
 @pytest.mark.timeout(60)
 def test_serve_stays_up_until_sigterm(tmp_path, runtime_dir):
-    proc = start_cli("serve", "inproc", "--runtime-dir", str(runtime_dir), "--store", str(tmp_path / "kv"))
+    proc = start_cli("serve", "inproc", "--no-http", "--runtime-dir", str(runtime_dir), "--store", str(tmp_path / "kv"))
     try:
         read_until(proc, "clients connect to dspark at inproc://dsv41-inproc-dspark")
     finally:

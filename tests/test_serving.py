@@ -9,6 +9,7 @@ import json
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -384,3 +385,43 @@ def test_a_tool_call_round_trip(scripted):
     # without tools in the request the DSML block is left as text
     assert "<｜DSML｜ calls>" in client.chat.completions.create(model="micro", messages=messages[:2]
                                                                ).choices[0].message.content
+
+
+def test_dsv41_serve_runs_the_api_and_stops_on_sigterm(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import msgspec
+
+    root = short_dir()
+    pipeline = with_overrides(pipeline_for("thread", root), name="clitest")
+    (tmp_path / "p.yaml").write_bytes(msgspec.yaml.encode(pipeline))
+    dsv41 = str(Path(sys.executable).parent / "dsv41")
+    command = [dsv41, "serve", str(tmp_path / "p.yaml"), "--port", "0", "--runtime-dir", str(root / "run")]
+    proc = subprocess.Popen(command,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "DSV41_API_KEY": ""})
+    try:
+        line = proc.stdout.readline()
+        assert "OpenAI API at http://127.0.0.1:" in line and "(model micro)" in line, (line, proc.stderr.read())
+        url = line.split("OpenAI API at ")[1].split("/v1")[0]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert client.completions.create(model="micro", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "clitest stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_serving_beyond_loopback_needs_an_api_key():
+    from click.testing import CliRunner
+
+    from dsv41.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["serve", "inproc", "--host", "0.0.0.0"], env={"DSV41_API_KEY": ""})
+    assert result.exit_code == 2 and "set --api-key (or DSV41_API_KEY) to serve beyond loopback" in result.output

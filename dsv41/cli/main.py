@@ -35,7 +35,7 @@ def cli() -> None:
     Examples:
       dsv41 run --prompt "Hello"                    start local, complete one prompt, stop
       dsv41 run inproc --file prompt.txt --json     the same in one process, as JSON
-      dsv41 serve local                             keep a pipeline up for clients
+      dsv41 serve local                             the OpenAI API on http://127.0.0.1:8000
       dsv41 status local                            ping every component of it
       dsv41 pipeline show local > my.yaml           start your own pipeline from a built-in one
       dsv41 pipeline validate my.yaml               check it without starting anything

@@ -280,34 +280,96 @@ def _summary(done: m.Finished) -> str:
 
 
 @click.command()
-@click.argument("source", metavar="PIPELINE")
+@click.argument("source", metavar="[PIPELINE]", default="local")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the HTTP API listens on. Anything but loopback needs an API key.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port of the HTTP API (0: any free port, printed at start).")
+@click.option("--api-key", envvar="DSV41_API_KEY", show_envvar=True,
+              help="Require `Authorization: Bearer KEY` on /v1/ requests (compared in constant time).")
+@click.option("--served-model-name", "model_name",
+              help="The model's name in the API (default: the model directory's or config's name).")
+@click.option("--max-body-mb", default=32, show_default=True, type=click.IntRange(1, 4096),
+              help="Largest request body accepted, in MiB; a bigger one is answered 413.")
+@click.option("--no-http", is_flag=True, help="Only keep the components up (clients speak dsv41's messages to "
+              "dspark), without the HTTP API.")
 @runtime_dir_option
 @store_option
 @pipeline_model_option
-def serve(source: str, runtime_dir: Path | None, store: Path | None, model_path: Path | None) -> None:
-    """Start PIPELINE and keep it up until SIGINT (Ctrl-C) or SIGTERM.
+def serve(source: str, host: str, port: int, api_key: str | None, model_name: str | None, max_body_mb: int,
+          no_http: bool, runtime_dir: Path | None, store: Path | None, model_path: Path | None) -> None:
+    """Start PIPELINE and serve the OpenAI-compatible HTTP API until SIGINT (Ctrl-C) or SIGTERM.
 
-    Prints the endpoint of dspark, the component clients send requests to. Components that die are
-    restarted; a crash loop (see the pipeline's supervisor section) stops the pipeline, prints the
-    component's last log lines and exits with status 1.
+    Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming with
+    "stream": true), GET /health, GET /metrics (Prometheus). Any OpenAI client works against
+    http://HOST:PORT/v1; docs/serving.md lists the parameters, errors and metrics. Components that
+    die are restarted; a crash loop (see the pipeline's supervisor section) stops the pipeline, prints
+    the component's last log lines and exits with status 1.
 
     \b
     Examples:
-      dsv41 serve local
-      dsv41 serve my.yaml --runtime-dir /run/dsv41 --store /data/kv
+      dsv41 serve                                   the local pipeline on http://127.0.0.1:8000
+      dsv41 serve my.yaml --port 9000 --runtime-dir /run/dsv41 --store /data/kv
+      DSV41_API_KEY=... dsv41 serve local --host 0.0.0.0
     """
+    from dsv41.components.security import is_loopback_host
+
+    if not no_http and not api_key and not is_loopback_host(host):
+        raise click.BadParameter(f"{host} is reachable from other machines: set --api-key (or DSV41_API_KEY) to "
+                                 "serve beyond loopback", param_hint="--host")
     pipeline = _pipeline(source, store, model_path)
-    with _running(pipeline, runtime_dir) as supervisor, _until_signal() as stop:
-        endpoint = supervisor.endpoints["dspark"]
-        click.echo(f"{pipeline.name} is up; clients connect to dspark at {endpoint}")
-        if endpoint.startswith("inproc://"):
-            click.echo("note: inproc endpoints are reachable only from inside this process", err=True)
-        check = f"dsv41 status {source}" + (f" --runtime-dir {runtime_dir}" if runtime_dir else "")
-        click.echo(f"check it with `{check}`; stop it with Ctrl-C or SIGTERM", err=True)
-        while not stop.wait(0.2):
-            if supervisor.failure:  # its log lines are already on stderr, through the supervisor's log
-                raise click.ClickException(f"{pipeline.name} stopped: {supervisor.failure.splitlines()[0]}")
+    sock = None
+    if not no_http:
+        from dsv41.serving.server import bind
+
+        try:
+            sock = bind(host, port)
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    try:
+        with _running(pipeline, runtime_dir) as supervisor, _until_signal() as stop:
+            endpoint = supervisor.endpoints["dspark"]
+            check = f"dsv41 status {source}" + (f" --runtime-dir {runtime_dir}" if runtime_dir else "")
+            if sock is None:
+                click.echo(f"{pipeline.name} is up; clients connect to dspark at {endpoint}")
+                if endpoint.startswith("inproc://"):
+                    click.echo("note: inproc endpoints are reachable only from inside this process", err=True)
+                click.echo(f"check it with `{check}`; stop it with Ctrl-C or SIGTERM", err=True)
+                while not stop.wait(0.2):
+                    if supervisor.failure:  # its log lines are already on stderr, through the supervisor's log
+                        raise click.ClickException(f"{pipeline.name} stopped: {supervisor.failure.splitlines()[0]}")
+            else:
+                _serve_http(pipeline, supervisor, sock, stop, api_key, model_name, max_body_mb << 20, check)
+    finally:
+        if sock is not None:
+            sock.close()
     click.echo(f"{pipeline.name} stopped", err=True)
+
+
+def _serve_http(pipeline: Pipeline, supervisor: Supervisor, sock, stop: threading.Event, api_key: str | None,
+                model_name: str | None, max_body_bytes: int, check: str) -> None:
+    """uvicorn on `sock` in a thread until a signal or a crash loop ends it."""
+    from dsv41.serving.server import build_app, uvicorn_server
+
+    serving = build_app(pipeline, supervisor.endpoints, supervisor.runtime_dir, api_key, max_body_bytes, model_name)
+    server = uvicorn_server(serving)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    click.echo(f"{pipeline.name} is up; OpenAI API at {url}/v1 (model {serving.settings.model}), metrics at "
+               f"{url}/metrics")
+    click.echo(f"check it with `{check}`; stop it with Ctrl-C or SIGTERM", err=True)
+    try:
+        while not stop.wait(0.2):
+            if supervisor.failure:
+                raise click.ClickException(f"{pipeline.name} stopped: {supervisor.failure.splitlines()[0]}")
+            if not thread.is_alive():
+                raise click.ClickException("the HTTP server stopped")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        serving.backend.close()
 
 
 @contextmanager

@@ -79,6 +79,7 @@ class DSparkComponent(Component):
         self.active: deque[Request] = deque()  # decoding
         self.clients: dict[int, Request] = {}  # every live request by client id
         self.blocked = False  # a prefill found no KV pages: admit nothing until a request ends
+        self.stepping: list[Request] = []  # the batch being stepped (out of `active` meanwhile)
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         if isinstance(message, m.Release):
@@ -142,7 +143,7 @@ class DSparkComponent(Component):
         (unless nothing else holds pages: then it can never fit, and fails)."""
         if isinstance(answer, m.Error):
             error = ComponentError(answer.code, answer.component, answer.text)
-            if answer.code == m.ErrorCode.CAPACITY and (self.active or self.prefilling):
+            if answer.code == m.ErrorCode.CAPACITY and (self.active or self.prefilling or self.stepping):
                 self.waiting.appendleft(request)
                 self.blocked = True
                 self.counters["capacity_waits"] += 1
@@ -250,6 +251,7 @@ class DSparkComponent(Component):
         end); when none progressed, the newest of them fails with CAPACITY."""
         batch = [self.active.popleft() for _ in range(min(len(self.active), m.MAX_BATCH))]
         tails = {}
+        self.stepping = batch
         try:
             items = []
             for request in batch:
@@ -262,6 +264,8 @@ class DSparkComponent(Component):
             for request in batch:
                 self._fail(request, e)
             return
+        finally:
+            self.stepping = []
         logits = dict(zip(answer.request_ids, m.tensor(answer.logits, frames).split(answer.sizes), strict=True))
         errors = {e.request_id: ComponentError(e.code, e.component, e.text) for e in answer.errors}
         no_pages = [r for r in batch if r.internal_id not in logits and r.internal_id in errors

@@ -1,0 +1,185 @@
+"""Continuous batching in dspark: a long prompt is prefilled between the steps of a request that is
+already decoding (asserted by the order of events), the tokens equal those of the requests served one
+at a time, a request that finds no KV pages waits instead of failing, and a full queue refuses."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+
+from dsv41 import messages as m
+from dsv41.components.runtime import ComponentError
+from dsv41.pipelines.client import generate
+from dsv41.pipelines.launch import Supervisor, with_overrides
+from tests.helpers.pipelines import pipeline_for, short_dir
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SHORT, LONG = ids(20, 1), ids(400, 2)  # the long one is 25 prefill chunks of 16 tokens
+
+
+def start(root, name: str, scheduling: dict | None = None, **options) -> Supervisor:
+    """micro in threads; 4096-token blocks, so no prompt here is stored (a prefix hit's bounded
+    replay would change the numbers of a repeated prompt)."""
+    pipeline = with_overrides(pipeline_for("thread", root, block_tokens=4096, **options), name=name,
+                              generation={"request_timeout_s": 60.0, "chunk_size": 16},
+                              scheduling=scheduling or {})
+    return Supervisor(pipeline, root / name).start()
+
+
+def tokens_of(supervisor: Supervisor, prompt: list[int], n: int) -> list[int]:
+    peer = supervisor.peer()
+    try:
+        return [e.token for e in generate(peer, ids=prompt, max_new_tokens=n, stop_at_eos=False)
+                if isinstance(e, m.TokenEvent)]
+    finally:
+        peer.close()
+
+
+def assert_idle(supervisor: Supervisor) -> dict[str, int]:
+    """Wait until dspark runs and queues nothing and the encoder and decoder hold no sequence or page
+    (releases are sent without waiting, and the gauges are refreshed between messages); dspark's counters."""
+    peers = {name: supervisor.peer(name) for name in ("dspark", "encoder", "decoder")}
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            counters = {name: peer.ping().counters for name, peer in peers.items()}
+            if (counters["dspark"]["running"] == counters["dspark"]["waiting"] == 0
+                    and all(counters[n]["sequences"] == counters[n]["pages_in_use"] == 0
+                            for n in ("encoder", "decoder"))
+                    and counters["encoder"].get("prefills_in_progress", 0) == 0):
+                return counters["dspark"]
+            assert time.monotonic() < deadline, counters
+            time.sleep(0.05)
+    finally:
+        for peer in peers.values():
+            peer.close()
+
+
+@pytest.fixture(scope="module")
+def root():
+    path = short_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_long_prompt_is_prefilled_between_the_steps_of_a_decoding_stream(root):
+    supervisor = start(root, "interleave")
+    log, lock, outputs = [], threading.Lock(), {}
+    a_started = threading.Event()
+
+    def run(name: str, prompt: list[int], n: int) -> None:
+        peer = supervisor.peer()
+        out = []
+        try:
+            for event in generate(peer, ids=prompt, max_new_tokens=n, stop_at_eos=False):
+                if isinstance(event, m.TokenEvent):
+                    out.append(event.token)
+                    with lock:
+                        log.append(name)
+                    if name == "A" and len(out) == 2:
+                        a_started.set()
+        finally:
+            peer.close()
+        outputs[name] = out
+
+    try:
+        a = threading.Thread(target=run, args=("A", SHORT, 120))
+        a.start()
+        assert a_started.wait(60)
+        with lock:
+            log.append("B sent")
+        b = threading.Thread(target=run, args=("B", LONG, 4))
+        b.start()
+        a.join(120)
+        b.join(120)
+        assert len(outputs["A"]) == 120 and len(outputs["B"]) == 4
+        sent, b_first = log.index("B sent"), log.index("B")
+        during = log[sent:b_first].count("A")
+        # the 25 chunks of B's prompt leave room for about one step of A each; served without
+        # interleaving, A would stall for the whole prefill (at most the step already in flight)
+        assert during >= 8, log
+        assert_idle(supervisor)
+        # one at a time, the same tokens (greedy)
+        assert tokens_of(supervisor, SHORT, 120) == outputs["A"]
+        assert tokens_of(supervisor, LONG, 4) == outputs["B"]
+    finally:
+        supervisor.stop()
+
+
+def test_a_request_without_kv_pages_waits_for_one_to_finish(root):
+    """Pools of 8 pages of 128 entries: a 400-token prompt takes 6 of the encoder's main KV pool; a
+    second one waits in the queue (instead of failing with CAPACITY) and runs once the first has
+    finished."""
+    pages = {"encoder": {"kv_pages": 8}, "decoder": {"kv_pages": 8}}
+    supervisor = start(root, "pages", **pages)
+    try:
+        peers = [supervisor.peer(), supervisor.peer()]
+        requests = [m.Generate(request_id=7000 + i, ids=m.pack_ids(LONG if i == 0 else ids(400, 3)),
+                               max_new_tokens=20, stop_at_eos=False) for i in range(2)]
+        for peer, request in zip(peers, requests, strict=True):
+            peer.send(request)
+        order = []
+        done = {}
+        lock = threading.Lock()
+
+        def read(peer, request):
+            while not isinstance((event := peer.receive(request.request_id)[0]), m.Finished):
+                with lock:
+                    order.append(request.request_id)
+            done[request.request_id] = event
+
+        threads = [threading.Thread(target=read, args=pair) for pair in zip(peers, requests, strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert done[7000].generated_tokens == done[7001].generated_tokens == 20
+        assert order == [7000] * 20 + [7001] * 20  # the second ran only after the first freed its pages
+        dspark = supervisor.peer("dspark")
+        counters = dspark.ping().counters
+        dspark.close()
+        assert counters["capacity_waits"] >= 1 and counters.get("failed_requests", 0) == 0
+        for peer in peers:
+            peer.close()
+        # a prompt that can never fit fails at once instead of waiting forever
+        with pytest.raises(ComponentError) as e:
+            tokens_of(supervisor, ids(700, 4), 2)
+        assert e.value.code == m.ErrorCode.CAPACITY
+    finally:
+        supervisor.stop()
+
+
+def test_a_full_queue_refuses_and_a_release_cancels(root):
+    supervisor = start(root, "queue", scheduling={"max_running": 1, "max_waiting": 1})
+    try:
+        peers = [supervisor.peer() for _ in range(3)]
+        requests = [m.Generate(request_id=8000 + i, ids=m.pack_ids(SHORT), max_new_tokens=1000, stop_at_eos=False)
+                    for i in range(3)]
+        peers[0].send(requests[0])
+        assert isinstance(peers[0].receive(8000)[0], m.TokenEvent)  # running
+        peers[1].send(requests[1])  # waits: one running slot
+        with pytest.raises(ComponentError) as e:
+            peers[2].call(requests[2])
+        assert e.value.code == m.ErrorCode.CAPACITY and "the queue is full: 1 requests wait" in e.value.text
+        for rid, peer in ((8001, peers[1]), (8000, peers[0])):  # cancel the waiting one, then the running one
+            peer.send(m.Release(request_id=rid))
+            while not isinstance((event := peer.receive(rid)[0]), m.Finished):
+                pass
+            assert event.reason == m.FinishReason.CANCELLED
+            assert isinstance(peer.receive(rid)[0], m.Ack)
+        counters = assert_idle(supervisor)
+        assert counters["cancelled"] == 2
+        for peer in peers:
+            peer.close()
+    finally:
+        supervisor.stop()
