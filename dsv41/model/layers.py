@@ -35,6 +35,9 @@ def _weight_tensors(storage: Storage, n_out: int, n_in: int, device) -> tuple[to
     return torch.empty(n_out, n_in, dtype=dtype, device=device), None
 
 
+QuantizedRows = tuple[torch.Tensor, torch.Tensor]  # FP8 values as fp32 [rows, K], scales [rows, K/32]
+
+
 class Linear(nn.Module):
     """y = x W^T. Quantized weights take an FP8-quantized activation and a block-scaled fp32 GEMM
     with a bf16 result, as the reference does; bf16/fp32 weights use a plain matmul."""
@@ -59,14 +62,24 @@ class Linear(nn.Module):
             self._dequant = (key, values, scale)
         return self._dequant[1], self._dequant[2]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
+        """y = x W^T; `quantized` is x already through `quantize_rows` (linears that share an input
+        quantize it once)."""
         if self.scale is None:
             return numerics.linear(x, self.weight)
         values, scale = self.dequantized()
-        q, q_scale = fp8_quant(x, BLOCK)
-        flat = q.reshape(-1, self.in_features).float()
-        y = block_scaled_matmul(flat, q_scale.reshape(flat.size(0), -1), values, scale, BLOCK)
+        q, q_scale = quantized if quantized is not None else quantize_rows(x)
+        y = block_scaled_matmul(q, q_scale, values, scale, BLOCK)
         return y.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
+
+
+
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """x [..., K] as the input of a quantized linear: FP8 values as fp32 [rows, K] and their
+    power-of-two scales [rows, K/32]. Row i of the result depends on row i of x alone."""
+    q, q_scale = fp8_quant(x, BLOCK)
+    flat = q.reshape(-1, x.size(-1)).float()
+    return flat, q_scale.reshape(flat.size(0), -1)
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.model import numerics
-from dsv41.model.layers import Linear, Storage
+from dsv41.model.layers import Linear, QuantizedRows, Storage, quantize_rows
 
 
 class Gate(nn.Module):
@@ -56,8 +56,13 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter, storage, device)
         self.limit = limit
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None,
+                quantized: QuantizedRows | None = None) -> torch.Tensor:
+        """`quantized`: x through `quantize_rows` (w1 and w3 share it; the MoE quantizes once for
+        every expert)."""
+        if quantized is None and self.w1.scale is not None:  # (fp32 masters in training have no scale)
+            quantized = quantize_rows(x)
+        gate, up = self.w1(x, quantized).float(), self.w3(x, quantized).float()
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)
@@ -86,8 +91,10 @@ class MoE(nn.Module):
         if routing is not None:
             routing.update(gate_indices=ids, gate_weights=weights)
         y = torch.zeros_like(x, dtype=torch.float32)
+        quantized = quantize_rows(x) if self.shared_experts.w1.scale is not None else None
         for e in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == e)
-            y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
-        y += self.shared_experts(x)
+            picked = None if quantized is None else (quantized[0][rows], quantized[1][rows])
+            y[rows] += self.experts[e](x[rows], weights[rows, slot, None], picked)
+        y += self.shared_experts(x, quantized=quantized)
         return y.type_as(x).view(shape)
