@@ -17,6 +17,7 @@ from dsv41.config import Rope, load_config
 from dsv41.kernels.torch_ops import select_candidate_blocks, sparse_attention
 from dsv41.model import mhc, quant, rope
 from dsv41.model.cache import DecodeCache
+from dsv41.model.dspark import Drafter, has_drafter, load_dspark, new_state
 from dsv41.model.engram import compressed_token_map, hash_multipliers, table_primes, token_map_from_tokenizer
 from dsv41.model.layers import Linear, Storage
 from dsv41.model.trace import Trace
@@ -25,8 +26,6 @@ from dsv41.model.transformer import Transformer, build_model
 # Recorded tensors that are not compared, and why.
 NOT_COMPARED = {
     "router_boundary_margin": "debug value recomputed by the recorder, not a model output",
-    "dspark.": "DSpark is not built yet",
-    ".mtp": "DSpark rings: DSpark is not built yet",
 }
 # The tolerance policy (docs/parity.md). Integer, bool and quantized tensors (codes, scales, values
 # on a quantization grid: the caches) must be exact. Other float tensors come from fp32 sums whose
@@ -146,6 +145,11 @@ class Golden:
                                          if (self.folder / "weights.safetensors").is_file() else self.folder))
         return model
 
+    def drafter(self, model: Transformer) -> Drafter | None:
+        files = weight_files(self.folder / "weights.safetensors"
+                             if (self.folder / "weights.safetensors").is_file() else self.folder)
+        return Drafter(model, load_dspark(self.config, files)) if has_drafter(files) else None
+
     def skipped(self, name: str) -> str | None:
         return next((why for key, why in NOT_COMPARED.items() if key in name), None)
 
@@ -227,18 +231,27 @@ def run_parity(folder: str | Path, decode_mode: str = "official", packed: bool =
     cand = config.text_config.candidate_source_layer_id
     capacity = golden.runtime.max_seq_len or (io["prompt_ids"].size(1) + io["decode.input_ids"].numel() + 1)
     cache = DecodeCache.allocate(config, 1, capacity, official_decode_slots=decode_mode == "official", packed=packed)
+    drafter = golden.drafter(model)
+    state = new_state(config, packed) if drafter is not None else None
     trace = Trace()
     with torch.inference_mode():
         out = model(io["prompt_ids"], trace=trace, cache=cache)
+        if drafter is not None:  # the prefill only seeds the drafter's rings
+            drafter.observe(state, out.main_hidden[0])
     rows += _prefill_rows(golden, trace, out, cand)
-    rows += _cache_rows(golden, cache, "cache_after_prefill")
-    steps = []
+    rows += _cache_rows(golden, cache, "cache_after_prefill") + _ring_rows(golden, state, "cache_after_prefill")
+    steps, drafts = [], []
     with torch.inference_mode():
         for token in io["decode.input_ids"].tolist():
             step_trace = Trace()
             step_out = model(torch.tensor([[token]]), trace=step_trace, cache=cache)
             steps.append((step_trace, step_out))
+            if drafter is not None:  # teacher-forced backbone, then one draft pass per step
+                drafter.observe(state, step_out.main_hidden[0])
+                chosen = int(io["decode.argmax"][len(drafts)])
+                drafts.append((chosen, drafter.draft([state], [chosen])))
     decode = _decode_rows(golden, steps, cand) + _cache_rows(golden, cache, "cache_after_decode")
+    decode += _dspark_rows(golden, drafts) + _ring_rows(golden, state, "cache_after_decode")
     if decode_mode == "design":
         _mark_expected_divergence(decode, io["decode.positions"].tolist(), config.text_config.compress_ratios)
     return rows + decode
@@ -369,6 +382,41 @@ def _cache_rows(golden: Golden, cache: DecodeCache, prefix: str) -> list[Row]:
         layer, name = int(m.group(1)), m.group(2)
         mine = _cached_tensor(cache, layer, name, want.size(0))
         rows.append(compare(prefix, f"layer{layer}.{name}", mine, want))
+    return rows
+
+
+def _ring_rows(golden: Golden, state, prefix: str) -> list[Row]:
+    """The DSpark stages' rings (`{prefix}.mtp{j}.window_kv_cache`)."""
+    rows = []
+    for key, want in golden.io.items():
+        m = re.fullmatch(rf"{prefix}\.mtp(\d+)\.window_kv_cache", key)
+        if not m:
+            continue
+        if state is None:
+            rows.append(Row(prefix, f"mtp{m.group(1)}.window_kv_cache", False, False, float("nan"), 0,
+                            "no DSpark stages in the checkpoint"))
+            continue
+        rows.append(compare(prefix, f"mtp{m.group(1)}.window_kv_cache", state.rings[int(m.group(1))].read()[0], want))
+    return rows
+
+
+def _dspark_rows(golden: Golden, drafts: list) -> list[Row]:
+    """Each decode step's draft pass: [input token, drafts], the drafted logits (base + Markov bias)
+    and the raw confidence logits."""
+    io = golden.io
+    if "dspark.draft_ids" not in io:
+        return []
+    if not drafts:
+        return [Row("dspark", "draft_ids", False, False, float("nan"), 0, "no DSpark stages in the checkpoint")]
+    ids = torch.stack([torch.tensor([chosen] + d.tokens[0].tolist()) for chosen, d in drafts])
+    logits = torch.stack([d.logits[0] for _, d in drafts])
+    confidence = torch.stack([d.confidence[0] for _, d in drafts])
+    want_ids = io["dspark.draft_ids"]
+    rows = [note_flips(compare("dspark", "draft_ids", ids, want_ids), ids[:, 1:], want_ids[:, 1:],
+                       top2_gap(logits), float(logits.abs().max()))]
+    rows.append(_first_bad_step(compare("dspark", "logits", logits, io["dspark.logits"]), logits, io["dspark.logits"]))
+    rows.append(_first_bad_step(compare("dspark", "confidence", confidence, io["dspark.confidence"]), confidence,
+                                io["dspark.confidence"]))
     return rows
 
 

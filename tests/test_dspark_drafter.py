@@ -1,0 +1,86 @@
+"""The DSpark drafter (SPEC.md §8) against the official drafter's recorded outputs: the golden
+checkpoint's mtp.0..2 stages, teacher-forced on the official backbone run for 16 decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.checkpoint import weight_files
+from dsv41.model.cache import DecodeCache
+from dsv41.model.dspark import Drafter, dspark_tensors, has_drafter, load_dspark, new_state
+from dsv41.parity import FLOAT_TOLERANCE, Golden
+
+from .conftest import GOLDEN
+
+
+@pytest.fixture(scope="module")
+def run():
+    golden = Golden(GOLDEN)
+    io, model = golden.io, golden.model()
+    files = weight_files(GOLDEN / "weights.safetensors")
+    drafter = load_dspark(golden.config, files)
+    d = Drafter(model, drafter)
+    cache = DecodeCache.allocate(golden.config, 1, 64, official_decode_slots=True)
+    state = new_state(golden.config)
+    out = {"drafter": drafter, "files": files, "config": golden.config}
+    with torch.inference_mode():
+        first = model(io["prompt_ids"], cache=cache)
+        d.observe(state, first.main_hidden[0])
+        out["rings_prefill"] = [r.read()[0].clone() for r in state.rings]
+        ids, logits, conf = [], [], []
+        for s, token in enumerate(io["decode.input_ids"].tolist()):
+            step = model(torch.tensor([[token]]), cache=cache)
+            d.observe(state, step.main_hidden[0])
+            chosen = int(io["decode.argmax"][s])
+            draft = d.draft([state], [chosen])
+            ids.append(torch.tensor([chosen] + draft.tokens[0].tolist()))
+            logits.append(draft.logits[0])
+            conf.append(draft.confidence[0])
+    out.update(ids=torch.stack(ids), logits=torch.stack(logits), confidence=torch.stack(conf),
+               rings_decode=[r.read()[0] for r in state.rings], io=io)
+    return out
+
+
+def test_draft_ids_match_the_official_drafter_at_every_step(run):
+    assert torch.equal(run["ids"], run["io"]["dspark.draft_ids"])
+
+
+def test_rings_are_bit_exact_after_prefill_and_after_decode(run):
+    io = run["io"]
+    for j in range(3):
+        assert torch.equal(run["rings_prefill"][j], io[f"cache_after_prefill.mtp{j}.window_kv_cache"])
+        assert torch.equal(run["rings_decode"][j], io[f"cache_after_decode.mtp{j}.window_kv_cache"])
+
+
+def test_draft_logits_and_confidence_within_the_float_policy(run):
+    io = run["io"]
+    for got, name in ((run["logits"], "dspark.logits"), (run["confidence"], "dspark.confidence")):
+        want = io[name]
+        assert float((got - want).abs().max()) <= FLOAT_TOLERANCE * float(want.abs().max())
+    # most steps agree to the head GEMM's blocking (1e-5 absolute, the golden README's bound)
+    close = ((run["logits"] - io["dspark.logits"]).abs().flatten(1).amax(1) <= 1e-5).sum()
+    assert int(close) >= 14
+
+
+def test_stage_tensors_round_trip_through_their_stored_formats(run, tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = dspark_tensors(run["drafter"])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert has_drafter([tmp_path / "model.safetensors"])
+    again = load_dspark(run["config"], [tmp_path / "model.safetensors"])
+    for (name, a), (_, b) in zip(run["drafter"].state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_missing_stage_tensor_is_named(run, tmp_path):
+    from safetensors.torch import save_file
+
+    from dsv41.checkpoint import CheckpointError
+
+    tensors = dspark_tensors(run["drafter"])
+    del tensors["mtp.1.attn.wkv.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"mtp\.1\.attn\.wkv\.weight"):
+        load_dspark(run["config"], [tmp_path / "model.safetensors"])
