@@ -378,7 +378,8 @@ def load_model(model_dir: ModelDir | str | Path, device: str | None = None) -> t
 
 
 # bf16 tensors the reference holds in fp32 (SPEC.md §4.2 and the golden notes); promotion is exact.
-PROMOTED_TO_FP32 = ("head.weight", ".compressor.wkv.weight", ".compressor.wgate.weight")
+PROMOTED_TO_FP32 = ("head.weight", ".compressor.wkv.weight", ".compressor.wgate.weight",
+                    ".norm1.weight", ".norm2.weight", "vision.norm.weight")  # the last three: ViT norms
 # Stored FP8 with 32x32 scales, held in bf16 (dequantized at load, as the release's convert.py does).
 DEQUANTIZED_AT_LOAD = (".wo_a.weight",)
 

@@ -56,6 +56,8 @@ def _fill_tensor(name: str, p: nn.Parameter, gen: torch.Generator, dim: int) -> 
         value = 0.3 * n
     elif leaf in ("q_weight", "k_weight"):
         value = 1 + 0.2 * n
+    elif leaf == "weight" and name.startswith(("vision.", "aligner.")):
+        value = n * p.size(-1) ** -0.5
     elif leaf == "weight" and ".gate." in name:
         value = n * p.size(-1) ** -0.5 * 2.0
     else:  # embeddings and attention sinks

@@ -22,6 +22,7 @@ from dsv41.model.engram import Engram, EngramHasher
 from dsv41.model.layers import Embedding, Linear, RMSNorm, Storage
 from dsv41.model.rope import table_for
 from dsv41.model.trace import Trace
+from dsv41.model.vision import ImageSpan, attach_vision, overwrite_spans, span_mask
 
 
 @dataclass
@@ -44,15 +45,18 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, device)
         self.head = Linear(t.hidden_size, t.vocab_size, Storage.FP32, device)
         self.hasher = EngramHasher.build(t, token_map) if t.engram_layer_ids and token_map is not None else None
+        self.vision = self.aligner = None
+        if with_vision:  # vision.*, aligner.*, image_start/end/newline (SPEC.md §9)
+            attach_vision(self, config, device)
 
-    def embed_inputs(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [b, s, dim]; the vision issue overwrites image spans here."""
-        return self.embed(ids)
+    def embed_inputs(self, ids: torch.Tensor, spans: list[ImageSpan] | None = None, start: int = 0) -> torch.Tensor:
+        """Token embeddings [b, s] of the positions start..; image spans overwrite theirs."""
+        return overwrite_spans(self.embed(ids), spans, start)
 
     def forward(
         self, ids: torch.Tensor, image_mask: torch.Tensor | None = None, trace: Trace | None = None,
         cache: DecodeCache | None = None, scored: dict[str, int] | None = None,
-        dense_index: bool = False, index_targets: list | None = None,
+        dense_index: bool = False, index_targets: list | None = None, spans: list[ImageSpan] | None = None,
     ) -> ForwardOutput:
         """Run ids [b, s] through every layer.
 
@@ -62,10 +66,14 @@ class Transformer(nn.Module):
         `trace` receives per-layer intermediates; `scored` counts index entries scored by layer kind.
         Training (train mode, see dsv41.training): `dense_index` attends every visible entry,
         `index_targets` collects each indexer layer's KL inputs (SharedAttention).
+        `spans` (dsv41.model.vision.encode_image) overwrite the embeddings of image-span positions;
+        without an image_mask they also mark those positions as image tokens.
         """
         start, s = (0 if cache is None else cache.length), ids.size(1)
         self.check_span(start, s, cache)
-        x, pre_mix, rows, live = self.begin(ids, start, cache, image_mask)
+        if spans and image_mask is None:
+            image_mask = span_mask(spans, start, s, ids.size(0))
+        x, pre_mix, rows, live = self.begin(ids, start, cache, image_mask, spans)
         shared = SharedAttention(start=start, cache=cache, trace=trace, scored=scored, dense_index=dense_index,
                                  index_targets=index_targets)
         targets: list[torch.Tensor] = []
@@ -80,13 +88,14 @@ class Transformer(nn.Module):
             trace.put(None, "final_normed_hidden", hidden)
         return ForwardOutput(logits, hidden, torch.cat(targets, dim=-1) if targets else None)
 
-    def begin(self, ids: torch.Tensor, start: int, cache: DecodeCache | None, image_mask: torch.Tensor | None = None):
+    def begin(self, ids: torch.Tensor, start: int, cache: DecodeCache | None, image_mask: torch.Tensor | None = None,
+              spans: list[ImageSpan] | None = None):
         """The 4 replicated streams of ids at positions start.., the first pre-mix, Engram row ids
         and the live-token mask."""
         hc = self.config.text_config.hc_mult
         live = None if image_mask is None else ~image_mask
         rows = self._engram_rows(ids, live, start, cache)
-        x = self.embed_inputs(ids).unsqueeze(2).repeat(1, 1, hc, 1)
+        x = self.embed_inputs(ids, spans, start).unsqueeze(2).repeat(1, 1, hc, 1)
         return x, mhc.first_pre_mix(x, hc), rows, live
 
     def run_layer(self, layer, x, pre_mix, shared: SharedAttention, rows=None, live=None, image_mask=None,
@@ -139,6 +148,8 @@ class Transformer(nn.Module):
     def parameter_counts(self) -> dict[str, int]:
         """Logical parameters by part (packed FP4 counts two values per byte; scales excluded)."""
         counts = {"embed+head": 0, "encoder dense": 0, "decoder dense": 0, "routed experts": 0, "engram tables": 0}
+        if self.vision is not None:
+            counts["vision"] = 0
         for name, p in self.named_parameters():
             if name.endswith(".scale") and p.dtype == torch.float8_e8m0fnu:
                 continue
@@ -147,6 +158,8 @@ class Transformer(nn.Module):
         return counts
 
     def _part_of(self, name: str) -> str:
+        if name.startswith(("vision.", "aligner.", "image_")):
+            return "vision"
         if not name.startswith("layers."):
             return "embed+head"
         if ".ffn.experts." in name:
