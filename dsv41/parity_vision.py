@@ -22,6 +22,7 @@ from PIL import ImageOps
 from dsv41 import parity
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache
+from dsv41.model.dspark import new_state
 from dsv41.model.image_processor import (
     ImageInput,
     expand_prompt,
@@ -37,7 +38,6 @@ from dsv41.parity import Row, compare, note_flips, top2_gap
 
 NOT_COMPARED = dict(parity.NOT_COMPARED)
 NOT_COMPARED["gate_indices_if_text_bias"] = "debug value: the recorder's re-routing with the text bias"
-NOT_COMPARED["dspark."] = "DSpark drafts of the vision prompts are compared once the drafter is in the model"
 
 
 def is_vision_golden(folder: str | Path) -> bool:
@@ -162,16 +162,44 @@ def _prompt_rows(golden: VisionGolden, model, prompt: str, images: list[ImageInp
     cand = config.text_config.candidate_source_layer_id
     capacity = golden.runtime.max_seq_len or (ids.size(1) + view.io["decode.input_ids"].numel() + 1)
     cache = DecodeCache.allocate(config, 1, capacity, official_decode_slots=decode_mode == "official", packed=packed)
+    drafter = golden.drafter(model)
+    state = new_state(config, packed) if drafter is not None else None
     trace = Trace()
     with torch.inference_mode():
         out = model(ids, trace=trace, cache=cache, spans=spans, image_mask=expanded.image_mask.unsqueeze(0))
+        if drafter is not None:  # the prefill only seeds the drafter's rings
+            drafter.observe(state, out.main_hidden[0])
     rows += _prefill_rows(view, model, trace, out, cand, prompt)
-    steps = []
+    steps, drafts = [], []
     with torch.inference_mode():
-        for token in view.io["decode.input_ids"].tolist():
+        for step, token in enumerate(view.io["decode.input_ids"].tolist()):
             step_trace = Trace()
             steps.append((step_trace, model(torch.tensor([[token]]), trace=step_trace, cache=cache)))
+            if drafter is not None:  # teacher-forced backbone, then one draft pass per step
+                drafter.observe(state, steps[-1][1].main_hidden[0])
+                chosen = int(view.io["decode.argmax"][step])
+                drafts.append((chosen, drafter.draft([state], [chosen])))
     rows += _decode_rows(view, steps, cand, prompt)
+    rows += _dspark_rows(view, drafts, prompt)
+    return rows
+
+
+def _dspark_rows(view: PromptView, drafts: list, prompt: str) -> list[Row]:
+    """Each decode step's draft pass (drafts are text: the text router bias throughout)."""
+    io, group = view.io, f"{prompt}.dspark"
+    if "dspark.draft_ids" not in io:
+        return []
+    if not drafts:
+        return [Row(group, "draft_ids", False, False, float("nan"), 0, "no DSpark stages in the checkpoint")]
+    ids = torch.stack([torch.tensor([chosen] + d.tokens[0].tolist()) for chosen, d in drafts])
+    logits = torch.stack([d.logits[0] for _, d in drafts])
+    confidence = torch.stack([d.confidence[0] for _, d in drafts])
+    want = io["dspark.draft_ids"]
+    rows = [note_flips(compare(group, "draft_ids", ids, want), ids[:, 1:], want[:, 1:], top2_gap(logits),
+                       float(logits.abs().max()))]
+    for name, mine in (("draft_logits", logits), ("confidence", confidence)):
+        rows.append(parity._first_bad_step(compare(group, name, mine, io[f"dspark.{name}"]), mine,
+                                           io[f"dspark.{name}"]))
     return rows
 
 

@@ -72,7 +72,7 @@ class DSparkStage(Block):
         super().__init__(t, spec, False, device)
         self.ffn = MoE(t.hidden_size, t.moe_intermediate_size, t.dspark_n_routed_experts,
                        t.dspark_num_experts_per_tok, t.routed_scaling_factor, t.scoring_func, t.swiglu_limit,
-                       False, device)
+                       config.vision_config.num_hidden_layers > 0, device)  # bias_vl is stored but drafts are text
         self.index = index
         if index == 0:
             n_targets = len(t.dspark_target_layer_ids)
