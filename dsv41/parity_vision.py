@@ -179,9 +179,11 @@ def _prompt_rows(golden: VisionGolden, model, prompt: str, images: list[ImageInp
                 drafter.observe(state, steps[-1][1].main_hidden[0])
                 chosen = int(view.io["decode.argmax"][step])
                 drafts.append((chosen, drafter.draft([state], [chosen])))
-    rows += _decode_rows(view, steps, cand, prompt)
-    rows += _dspark_rows(view, drafts, prompt)
-    return rows
+    decode = _decode_rows(view, steps, cand, prompt) + _dspark_rows(view, drafts, prompt)
+    if decode_mode == "design":
+        parity._mark_expected_divergence(decode, view.io["decode.positions"].tolist(),
+                                         config.text_config.compress_ratios)
+    return rows + decode
 
 
 def _dspark_rows(view: PromptView, drafts: list, prompt: str) -> list[Row]:

@@ -153,15 +153,15 @@ def generate(prompt: str, config_name: str | None, model_path: Path | None, max_
 
 
 @cli.command()
-@click.argument("folder", default="../shared/reference/golden", type=click.Path(exists=True, file_okay=False))
+@click.argument("folders", nargs=-1, type=click.Path(exists=True, file_okay=False))
 @click.option("--decode-mode", type=click.Choice(["official", "design"]), default="official", show_default=True,
               help="official: reproduce the official decode path's shared index-key slot (bit-exact parity); "
                    "design: each group's own keys at every step (dsv41's default behaviour).")
 @click.option("--packed", is_flag=True, help="Keep the caches in their packed byte formats and decode through the "
               "packed-cache kernels (Triton on CUDA, their torch twins elsewhere).")
 @click.option("--details", is_flag=True, help="List every compared tensor, not only the group summary.")
-def parity(folder: str, decode_mode: str, packed: bool, details: bool) -> None:
-    """Compare dsv41 against recorded official outputs in FOLDER.
+def parity(folders: tuple[str, ...], decode_mode: str, packed: bool, details: bool) -> None:
+    """Compare dsv41 against recorded official outputs in each FOLDER.
 
     FOLDER holds an official-format checkpoint (config.json, weights.safetensors, tokenizer) and the
     official implementation's recorded outputs (io.safetensors, units.safetensors). Integer, bool
@@ -169,20 +169,36 @@ def parity(folder: str, decode_mode: str, packed: bool, details: bool) -> None:
     magnitude (fp32 summation order differs between CPUs; docs/parity.md). Bit-exact counts are
     reported as information. A choice that flips (argmax, expert) is named with the gap that
     decided it. Exits non-zero when any tensor fails.
+
+    A FOLDER recorded on the vision path (index.json with image plans, as reference/golden_vision)
+    is compared from the resize planner through the ViT, the aligner and the image spans to prefill,
+    decode and DSpark (docs/vision.md). Without FOLDER: ../shared/reference/golden, and
+    ../shared/reference/golden_vision when it exists.
     """
+    from dsv41 import parity_vision
     from dsv41.parity import not_compared, report, run_parity
 
+    if not folders:
+        default = Path("../shared/reference")
+        folders = tuple(str(default / name) for name in ("golden", "golden_vision") if (default / name).is_dir())
     caches = "packed" if packed else "bf16"
-    click.echo(f"running parity against {folder} (decode mode: {decode_mode}, {caches} caches)...", err=True)
-    rows = run_parity(folder, decode_mode, packed)
-    click.echo(report(rows))
-    if details:
-        for row in rows:
-            status = "exact" if row.exact else "ok" if row.passed else "FAIL"
-            click.echo(f"{status:<5} {row.group:<20} {row.name:<40} abs {row.max_abs:.3g} rel {row.rel:.3g} "
-                       f"ulp {row.max_ulp} {row.note}")
-    for why in not_compared(folder):
-        click.echo(f"not compared: {why}")
+    rows = []
+    for folder in folders:
+        vision = parity_vision.is_vision_golden(folder)
+        click.echo(f"running parity against {folder} (decode mode: {decode_mode}, {caches} caches)...", err=True)
+        run = parity_vision.run_vision_parity if vision else run_parity
+        found = run(folder, decode_mode, packed)
+        rows += found
+        click.echo(report(found))
+        if details:
+            for row in found:
+                status = "exact" if row.exact else "ok" if row.passed else "FAIL"
+                click.echo(f"{status:<5} {row.group:<20} {row.name:<40} abs {row.max_abs:.3g} rel {row.rel:.3g} "
+                           f"ulp {row.max_ulp} {row.note}")
+        for why in (parity_vision.not_compared if vision else not_compared)(folder):
+            click.echo(f"not compared: {why}")
+    if not rows:
+        raise click.ClickException("no golden folder given and none found at ../shared/reference")
     failed = [r for r in rows if not r.passed]
     if failed:
         raise click.ClickException(f"{len(failed)} of {len(rows)} tensors differ; first: {failed[0].group} "
