@@ -1,0 +1,80 @@
+"""Greedy speculative decoding equals plain greedy decoding (shape-stable numerics)."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.engine.core import InferenceCore
+from dsv41.engine.speculative import SpecStats, greedy_speculative
+from dsv41.model.dspark import Drafter, build_dspark
+from dsv41.model.numerics import stable_numerics
+from dsv41.model.random_init import init_random
+from dsv41.model.reference import random_model
+
+
+def _plain(core: InferenceCore, prompt: list[int], n: int) -> list[int]:
+    seq, logits = core.prefill(prompt, mode="full")
+    out = [int(logits.argmax())]
+    while len(out) < n:
+        out.append(int(core.step(seq, [out[-1]])[-1].argmax()))
+    core.release(seq)
+    return out
+
+
+def test_greedy_speculative_output_equals_plain_decoding():
+    model = random_model("micro", seed=3)
+    drafter = Drafter(model, init_random(build_dspark(model.config), 5))
+    core = InferenceCore(model)
+    gen = torch.Generator().manual_seed(11)
+    with stable_numerics():
+        for n_prompt, n_new, length in ((5, 12, None), (23, 9, 2), (40, 14, 1)):
+            prompt = torch.randint(3, model.config.text_config.vocab_size, (n_prompt,), generator=gen).tolist()
+            stats = SpecStats()
+            got = greedy_speculative(core, drafter, prompt, n_new, length, stats=stats)
+            assert got == _plain(core, prompt, n_new)
+            assert stats.verifications > 0
+    assert core.pages_in_use == 0
+
+
+class _KnownDrafter:
+    """Drafts the known plain continuation, wrong at every `wrong`-th draft: exercises full
+    acceptance, partial acceptance and rollback in the verification loop."""
+
+    def __init__(self, truth: list[int], prompt_len: int, block: int, wrong: int, vocab: int):
+        self.truth, self.prompt_len, self.block, self.wrong, self.vocab = truth, prompt_len, block, wrong, vocab
+        self.calls = 0
+
+    def observe(self, state, hidden) -> None:
+        state.length += hidden.size(0)
+
+    def draft(self, states, tokens):
+        from dsv41.model.dspark import Draft
+
+        self.calls += 1
+        produced = states[0].length - self.prompt_len + 1  # tokens chosen so far
+        ids = []
+        for i in range(self.block):
+            j = produced + i
+            t = self.truth[j] if j < len(self.truth) else 3
+            ids.append((t + 1) % self.vocab if (self.calls + i) % self.wrong == 0 else t)
+        return Draft(torch.tensor([ids]), torch.zeros(1, self.block, self.vocab), torch.zeros(1, self.block))
+
+
+def test_accepted_drafts_max_length_and_eos_inside_a_block():
+    model = random_model("micro", seed=4)
+    core = InferenceCore(model)
+    vocab = model.config.text_config.vocab_size
+    gen = torch.Generator().manual_seed(12)
+    with stable_numerics():
+        prompt = torch.randint(3, vocab, (17,), generator=gen).tolist()
+        truth = _plain(core, prompt, 18)
+        for wrong, n_new, most in ((100, 18, 4), (3, 17, 2)):
+            stats = SpecStats()
+            drafter = _KnownDrafter(truth, len(prompt), 4, wrong, vocab)
+            assert greedy_speculative(core, drafter, prompt, n_new, stats=stats) == truth[:n_new]
+            assert max(stats.accepted) == most and min(stats.accepted) < most
+        stop = truth[9]
+        first = truth.index(stop)
+        drafter = _KnownDrafter(truth, len(prompt), 4, 100, vocab)
+        assert greedy_speculative(core, drafter, prompt, 18, stop_ids=(stop,)) == truth[: first + 1]
+    assert core.pages_in_use == 0
