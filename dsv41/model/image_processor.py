@@ -18,10 +18,14 @@ token type tells them apart.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import math
+import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -217,3 +221,59 @@ def expand_prompt(ids: list[int], images: list[ImageInput], image_token_id: int)
         out += [image_token_id] * span.numel()
         types += span.tolist()
     return Expanded(out, torch.tensor(types, dtype=torch.int64), starts, list(images))
+
+
+# --- where image bytes come from ------------------------------------------------------------------
+
+def image_bytes(source: bytes | str | os.PathLike) -> bytes:
+    """Encoded image bytes from raw bytes, a `data:` URL (base64) or a local file path. Network
+    URLs are refused: nothing is ever fetched."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    if isinstance(source, str) and source.startswith("data:"):
+        return data_url_bytes(source)
+    if isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https", "ftp", "file"):
+        raise ImageError("image URLs are not fetched; send the image as a data: URL or as bytes")
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ImageError(f"no image file at {path}")
+    if path.stat().st_size > MAX_IMAGE_BYTES:
+        raise ImageError(f"the image file {path} is {path.stat().st_size} bytes; the limit is {MAX_IMAGE_BYTES}")
+    return path.read_bytes()
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The payload of a base64 `data:` URL (data:image/png;base64,....)."""
+    header, comma, payload = url.partition(",")
+    if not comma or not header.startswith("data:") or ";base64" not in header:
+        raise ImageError("an image data URL must look like data:image/<type>;base64,<payload>")
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ImageError(f"the image data URL is {len(payload)} characters; the limit is about "
+                         f"{MAX_IMAGE_BYTES * 4 // 3} (an image of {MAX_IMAGE_BYTES} bytes)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"the image data URL's base64 payload is invalid: {e}") from None
+
+
+def image_from_openai_part(part: dict, v: VisionConfig) -> ImageInput:
+    """An OpenAI chat content part {"type": "image_url", "image_url": {"url": "data:..."}} (or with
+    the url given as a plain string) -> the preprocessed image. Only data URLs are accepted; an
+    http(s) URL is refused with ImageError, never fetched."""
+    if not isinstance(part, dict) or part.get("type", "image_url") != "image_url":
+        raise ImageError("expected a content part of type 'image_url'")
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str) or not url:
+        raise ImageError("an image_url part needs image_url.url (a data: URL)")
+    if not url.startswith("data:"):
+        raise ImageError("only data: URLs are accepted for images (data:image/png;base64,...); "
+                         "remote URLs are never fetched")
+    return preprocess(data_url_bytes(url), v)
+
+
+def load_images(sources: list, v: VisionConfig) -> list[ImageInput]:
+    """Several images for one prompt (bytes, data URLs or paths), at most MAX_IMAGES."""
+    if len(sources) > MAX_IMAGES:
+        raise ImageError(f"{len(sources)} images in one prompt; the limit is {MAX_IMAGES}")
+    return [preprocess(image_bytes(s), v) for s in sources]
