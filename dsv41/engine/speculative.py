@@ -71,3 +71,26 @@ def greedy_speculative(core: InferenceCore, drafter: Drafter, prompt: list[int],
         return out[:max_new_tokens]
     finally:
         core.release(seq)
+
+
+def accept_sampled(target: torch.Tensor, draft: torch.Tensor, drafts: list[int],
+                   gen: torch.Generator | None = None) -> list[int]:
+    """The speculative-sampling rule (temperature > 0): target [k+1, vocab] holds the target's
+    probabilities after the input token and after each draft, draft [k, vocab] the probabilities
+    the drafts were sampled from. Draft i is accepted with probability min(1, p_i(d)/q_i(d)); the
+    first rejected one is replaced by a sample of the normalised residual max(p_i - q_i, 0), and
+    when all are accepted a bonus token is sampled from the last target row. The emitted tokens are
+    distributed exactly as sampling the target one token at a time."""
+    out = []
+    for i, token in enumerate(drafts):
+        p, q = float(target[i, token]), float(draft[i, token])
+        if q > 0 and float(torch.rand((), generator=gen)) * q < p:
+            out.append(token)
+            continue
+        residual = (target[i] - draft[i]).clamp(min=0)
+        total = float(residual.sum())
+        row = residual / total if total > 0 else target[i]
+        out.append(int(torch.multinomial(row, 1, generator=gen)))
+        return out
+    out.append(int(torch.multinomial(target[len(drafts)], 1, generator=gen)))
+    return out
