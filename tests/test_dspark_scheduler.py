@@ -1,0 +1,46 @@
+"""The confidence-aware verification-length scheduler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dsv41.engine.dspark_scheduler import choose_lengths, prefix_survival
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
+def test_prefix_survival_multiplies_the_sigmoids():
+    got = prefix_survival([_logit(0.9), _logit(0.5), _logit(0.8)])
+    assert got == pytest.approx([0.9, 0.45, 0.36])
+
+
+def test_free_verification_admits_every_draft_and_costly_admits_none():
+    conf = [[_logit(0.9), _logit(0.7)], [_logit(0.2), _logit(0.6)]]
+    assert choose_lengths(conf, lambda n: 10.0) == [2, 2]
+    assert choose_lengths(conf, lambda n: 10.0 / n**3) == [0, 0]
+
+
+def test_admits_while_expected_tokens_per_second_rise():
+    # step rate 1/(1 + 0.25 n): one request, survival 0.9, 0.63, 0.252
+    conf = [[_logit(0.9), _logit(0.7), _logit(0.4)]]
+    rate = lambda n: 1.0 / (1 + 0.25 * n)  # noqa: E731
+    # theta: k=0 1/1.25=0.8; k=1 1.9/1.5=1.267; k=2 2.53/1.75=1.446; k=3 2.782/2.0=1.391 (drop)
+    assert choose_lengths(conf, rate) == [2]
+
+
+def test_the_more_confident_request_gets_the_longer_block():
+    conf = [[_logit(0.95)] * 4, [_logit(0.3)] * 4]
+    lengths = choose_lengths(conf, lambda n: 1.0 / (1 + 0.2 * n))
+    assert lengths[0] > lengths[1]
+
+
+def test_fixed_and_off():
+    conf = [[0.0] * 5, [0.0] * 3]
+    assert choose_lengths(conf, lambda n: 1.0, "fixed", 4) == [4, 3]
+    assert choose_lengths(conf, lambda n: 1.0, "off") == [0, 0]
+    with pytest.raises(ValueError, match="unknown DSpark schedule"):
+        choose_lengths(conf, lambda n: 1.0, "sometimes")
