@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsv41.engine.core import InferenceCore
@@ -121,3 +122,44 @@ def test_speculative_sampling_reproduces_the_target_distribution():
     assert chi2(joint) < limit
     wrong = drafter[0][:, None, None] * drafter[:, :, None] * drafter[None, :, :]
     assert chi2(wrong) > limit
+
+
+def _cache_state(seq) -> dict:
+    cache = seq.cache
+    out = {"length": cache.length, "pages": cache.pages_in_use(), "ids": cache.ids[:, : cache.length].clone()}
+    for layer, ring in cache.windows.items():
+        out[f"ring{layer}"] = ring.data.clone()
+    for layer, group in cache.groups.items():
+        n = cache.length // (group.kv_state.size(1) if group.kv_state is not None else 1)
+        out[f"main{layer}"] = group.main_kv.read(slice(0, n)).clone()
+        out[f"index{layer}"] = group.index_k.read(slice(0, n)).clone()
+        if group.kv_state is not None:
+            out[f"kv_state{layer}"] = group.kv_state.clone()
+            out[f"score_state{layer}"] = group.score_state.clone()
+    return out
+
+
+@pytest.mark.slow
+def test_rollback_of_a_rejected_block_leaves_caches_bit_identical_to_never_drafting():
+    model = random_model("micro", seed=6)
+    core = InferenceCore(model)
+    vocab = model.config.text_config.vocab_size
+    gen = torch.Generator().manual_seed(13)
+    with stable_numerics():
+        for n_prompt, accepted in ((21, 0), (22, 1), (30, 2)):
+            prompt = torch.randint(3, vocab, (n_prompt,), generator=gen).tolist()
+            block = torch.randint(3, vocab, (5,), generator=gen).tolist()
+            drafted, _ = core.prefill(prompt, mode="full")
+            saved = core.checkpoint(drafted)
+            core.step(drafted, block)  # the whole block verified, then all but `accepted + 1` rejected
+            core.rollback(drafted, saved)
+            core.step(drafted, block[: accepted + 1])
+            plain, _ = core.prefill(prompt, mode="full")
+            core.step(plain, block[: accepted + 1])
+            want, got = _cache_state(plain), _cache_state(drafted)
+            assert want.keys() == got.keys()
+            for key in want:
+                assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), key
+            core.release(drafted)
+            core.release(plain)
+    assert core.pages_in_use == 0
