@@ -156,6 +156,15 @@ class Finished(Message):
     ttft_s: float
     decode_s: float
     engram_wait_s: float = 0.0
+    # DSpark: verification steps that carried drafts, the drafts they verified and accepted, the
+    # accepted drafts by position in the block, how many steps chose each length (index = drafts,
+    # 0 included) and the seconds spent drafting
+    verifications: Count = 0
+    draft_tokens: Count = 0
+    accepted_tokens: Count = 0
+    accepted_by_position: Annotated[list[Count], msgspec.Meta(max_length=64)] = []
+    lengths: Annotated[list[Count], msgspec.Meta(max_length=65)] = []
+    drafter_s: float = 0.0
 
 
 class Tokenize(Message):
@@ -201,6 +210,10 @@ class StepItem(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_un
     request_id: RequestId
     ids: TokenBytes
     engram_prefetch: bool = False
+    # position of the first token: -1 (or the sequence's length) steps on; an earlier position must be
+    # where the request's last verification step took its checkpoint, and rolls the drafts back
+    start: Annotated[int, msgspec.Meta(ge=-1, le=MAX_TOKENS)] = -1
+    verify: bool = False  # the tokens after the first are drafts: keep a checkpoint to roll back to
 
 
 MAX_BATCH = 256
@@ -231,6 +244,7 @@ class DecoderBatchStep(Message):
     sizes: BatchCounts  # tokens of each request; the streams are concatenated in this order
     streams: Tensor  # [1, sum(sizes), hc, dim]
     pre_mix: Tensor
+    verify: Annotated[list[bool], msgspec.Meta(max_length=MAX_BATCH)] = []  # per request (StepItem.verify)
 
 
 class BatchLogits(Message):

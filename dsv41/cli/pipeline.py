@@ -178,14 +178,21 @@ def _placements(pipeline: Pipeline) -> str:
 @click.option("--prefill-mode", type=click.Choice(["ced", "exact", "full"]),
               help="How the prompt is prefilled: compressed encoder-decoder, exact, or full attention "
                    "(default: the pipeline's generation.prefill_mode).")
+@click.option("--dspark", "dspark_mode", type=click.Choice(["auto", "fixed", "off"]),
+              help="Speculative decoding with the model's DSpark drafter: auto (the scheduler picks each step's "
+                   "drafts), fixed (--dspark-length drafts per step) or off (default: the pipeline's "
+                   "components.dspark.options.mode; unset, auto when the model has a drafter, else off).")
+@click.option("--dspark-length", type=click.IntRange(1, 64),
+              help="Drafts verified per step with --dspark fixed, the most with auto (at most the model's "
+                   "dspark_block_size; default: the block size).")
 @store_option
 @runtime_dir_option
 @pipeline_model_option
 @click.option("--json", "as_json", is_flag=True, help="Print nothing while generating, then one JSON object on "
               "stdout: the text, the token ids and every statistic of the request.")
 def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None, temperature: float | None,
-        top_p: float | None, seed: int, prefill_mode: str | None, store: Path | None, runtime_dir: Path | None,
-        model_path: Path | None, as_json: bool) -> None:
+        top_p: float | None, seed: int, prefill_mode: str | None, dspark_mode: str | None, dspark_length: int | None,
+        store: Path | None, runtime_dir: Path | None, model_path: Path | None, as_json: bool) -> None:
     """Start PIPELINE, complete one prompt, and stop it again.
 
     PIPELINE is a built-in name or a pipeline file (default: local). The completion streams to stdout
@@ -198,9 +205,10 @@ def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None
       dsv41 run --prompt "Hello"
       dsv41 run inproc --file prompt.txt --max-new-tokens 128 --json
       cat prompt.txt | dsv41 run my.yaml --file - --temperature 0.7 --seed 3
+      dsv41 run --prompt "def f(x):" --dspark fixed --dspark-length 3
     """
     text = _prompt(prompt, prompt_file)
-    pipeline = _pipeline(source, store, model_path)
+    pipeline = with_dspark(_pipeline(source, store, model_path), dspark_mode, dspark_length)
     given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
              "prefill_mode": prefill_mode}
     options = {k: getattr(pipeline.generation, k) if v is None else v for k, v in given.items()} | {"seed": seed}
@@ -211,6 +219,20 @@ def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None
     else:
         click.echo("")
         click.echo(_summary(done), err=True)
+
+
+def with_dspark(pipeline: Pipeline, mode: str | None, length: int | None) -> Pipeline:
+    """The pipeline with --dspark / --dspark-length put into the dspark component's options."""
+    given = {key: value for key, value in (("mode", mode), ("length", length)) if value is not None}
+    if not given:
+        return pipeline
+    import msgspec
+
+    from dsv41.pipelines.launch import with_overrides
+
+    spec = pipeline.components["dspark"]
+    spec = msgspec.structs.replace(spec, options={**spec.options, **given})
+    return with_overrides(pipeline, components={**pipeline.components, "dspark": spec})
 
 
 def _prompt(prompt: str | None, prompt_file) -> str:
@@ -273,7 +295,21 @@ def _summary(done: m.Finished) -> str:
             ("replayed layer-tokens", f"{done.replayed_layer_tokens:,}"),
             ("encoder layer-tokens", f"{done.encoder_layer_tokens:,}"),
             ("Engram wait", f"{done.engram_wait_s * 1000:.1f} ms")]
+    if done.lengths:
+        rows.append(("DSpark", _dspark_summary(done)))
     return "\n".join(f"{label:<22} {value}" for label, value in rows)
+
+
+def _dspark_summary(done: m.Finished) -> str:
+    """Acceptance length (tokens per verification, the bonus token included), acceptance by draft
+    position, the lengths the scheduler chose, and the drafter's share of the decode time."""
+    v = done.verifications
+    length = (done.accepted_tokens + v) / v if v else 0.0
+    by_position = " ".join(f"{a / v:.0%}" for a in done.accepted_by_position) if v else "-"
+    chosen = " ".join(f"{k}:{n}" for k, n in enumerate(done.lengths) if n)
+    share = done.drafter_s / done.decode_s if done.decode_s > 0 else 0.0
+    return (f"acceptance length {length:.2f} over {v} verifications; accepted by position {by_position}; "
+            f"lengths chosen {chosen}; drafter {share:.0%} of decode time")
 
 
 # --- serve and component -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from dsv41.components.runtime import Component, Reply
 from dsv41.components.sequences import Sequences, model_core, page_capacity
 from dsv41.config import Part
 from dsv41.engine.core import Sequence
+from dsv41.engine.speculative import hold_checkpoint, rewind
 from dsv41.model.cache import DecodeCache
 
 
@@ -84,10 +85,12 @@ class DecoderComponent(Component):
                                          f"{descriptor.shape}; expected uint8 [{n}, {store.pool.width}]")
                 store.put_raw(0, rows)
             x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
-            logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n)
+            targets: list[torch.Tensor] = []
+            logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n, targets)
         self.counters.update(prefills=1, replayed_layer_tokens=seq.counters.replayed_layer_tokens,
                              decoder_layer_tokens=seq.counters.decoder_layer_tokens)
-        return self._answer(message.request_id, seq, logits.unsqueeze(0), None)
+        hidden = self.core.replay_hidden(targets) if targets else None  # seeds the drafter's rings
+        return self._answer(message.request_id, seq, logits.unsqueeze(0), hidden)
 
     def _step(self, message: m.DecoderStep, frames: list[memoryview]):
         rid = message.request_id
@@ -109,13 +112,17 @@ class DecoderComponent(Component):
         x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
         if x.size(1) != sum(message.sizes) or pre_mix.size(1) != x.size(1):
             raise m.MessageError(m.ErrorCode.BAD_TENSOR, f"streams of {x.size(1)} tokens for sizes {message.sizes}")
+        if message.verify and len(message.verify) != len(message.request_ids):
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, "verify flags and request_ids differ in length")
         keep, seqs, errors = [], [], []
         for i, (rid, start) in enumerate(zip(message.request_ids, message.starts, strict=True)):
             try:
                 seq = self.sequences.get(rid)
-                if start != seq.cache.length:
-                    raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"step at position {start}, but the sequence "
-                                         f"holds {seq.cache.length} positions")
+                try:
+                    rewind(seq, start)
+                except ValueError as e:
+                    raise m.MessageError(m.ErrorCode.INVALID_REQUEST, str(e)) from None
+                hold_checkpoint(seq, bool(message.verify) and message.verify[i])
                 if start + message.sizes[i] > seq.cache.capacity:
                     raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{message.sizes[i]} tokens at position "
                                          f"{start} exceed the sequence's {seq.cache.capacity} positions")

@@ -1,8 +1,16 @@
 """dspark: owns each request's decode loop and streams tokens to the client.
 
-Until the DSpark drafter lands this schedules plain decoding (greedy, temperature, top-p), one
-token per request per round over every request in flight. A request that fails anywhere gets one
-`Error` naming the component and the problem; its state elsewhere is released; other requests go on.
+Each round steps every request in flight as one batch. Without a drafter (or with the `mode`
+option off) a step decodes one token per request (greedy, temperature, top-p). With the model's
+DSpark drafter, this process holds the drafter (and the backbone's embedding and head it shares):
+each round it drafts a block per request, the scheduler picks how many drafts each request
+verifies, the encoder and decoder verify them in one multi-token batched step (keeping a checkpoint),
+and the accepted prefix plus the target's next token are emitted (temperature 0: drafts equal to
+the argmax; above: the speculative-sampling rule). A request with rejected drafts is rolled back to
+the checkpoint in the encoder and decoder and its accepted tokens run again in a second batched
+step; the drafter's rings take the backbone states of accepted positions only. A request that
+fails anywhere gets one `Error` naming the component and the problem; its state elsewhere is
+released; other requests go on.
 
 Continuous batching: a new request waits in a bounded first-come-first-served queue; each round the
 scheduler sends the prefills of the requests at its head (at most `scheduling.max_running` requests
@@ -26,10 +34,34 @@ import torch
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
 from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
+from dsv41.engine.dspark_scheduler import choose_lengths
+from dsv41.engine.speculative import StepCost, Stopwatch, accept_greedy, accept_sampled, target_probs
+from dsv41.model.dspark import Drafter, DraftState, has_drafter, load_dspark, new_state
 from dsv41.model.reference import Sampling, sample_next
 from dsv41.model.tokenizer import Detokenizer, token_bytes
 
 PREFILLS_IN_FLIGHT = 2  # prefills sent ahead, so the encoder never waits for the next prompt
+PROFILE_REPEATS = 2  # timed steps per size when the step cost is measured at start-up
+
+
+@dataclass
+class SpecStats:
+    """One request's speculative decoding, reported in its `Finished`."""
+
+    verifications: int = 0  # steps that verified at least one draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    by_position: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # steps that chose each number of drafts
+    drafter_s: float = 0.0
+
+
+@dataclass
+class Plan:
+    """A request's drafts for this round and what they were drawn from (temperature > 0)."""
+
+    drafts: list[int]
+    probs: torch.Tensor | None = None  # [k, vocab]
 
 
 @dataclass
@@ -51,6 +83,8 @@ class Request:
     ttft_s: float = 0.0
     engram_wait_s: float = 0.0
     sent_at: float = 0.0  # when its prefill was sent
+    draft: DraftState | None = None  # the drafter's rings (speculative decoding)
+    spec: SpecStats = field(default_factory=SpecStats)
 
     @property
     def prompt_tokens(self) -> int:
@@ -80,6 +114,11 @@ class DSparkComponent(Component):
         self.clients: dict[int, Request] = {}  # every live request by client id
         self.blocked = False  # a prefill found no KV pages: admit nothing until a request ends
         self.stepping: list[Request] = []  # the batch being stepped (out of `active` meanwhile)
+        self.config = config
+        self.drafter, self.mode, self.length = _speculation(context)
+        self.cost = StepCost()  # seconds of a step by tokens verified, for the `auto` scheduler
+        self.profiled = self.mode != "auto"
+        self.counters["spec_enabled"] = int(self.drafter is not None)
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         if isinstance(message, m.Release):
@@ -153,7 +192,18 @@ class DSparkComponent(Component):
         request.prefill = answer
         request.ttft_s = time.perf_counter() - request.started
         request.engram_wait_s += answer.engram_wait_s
+        if self.drafter is not None:
+            self._seed(request, None if answer.main_hidden is None else m.tensor(answer.main_hidden, frames))
         self._emit(request, m.tensor(answer.logits, frames)[-1])
+
+    def _seed(self, request: Request, hidden: torch.Tensor | None) -> None:
+        """The drafter's rings from the prompt's last positions the decoder returned."""
+        with Stopwatch() as watch:
+            request.draft = new_state(self.config)
+            request.draft.length = request.prompt_tokens - (0 if hidden is None else hidden.size(0))
+            if hidden is not None:
+                self.drafter.observe(request.draft, hidden)
+        self._drafter_time(request, watch.total)
 
     def _on_reply(self, message: m.Message, frames: list[memoryview]) -> None:
         request = self.prefilling.pop(message.request_id, None)
@@ -229,6 +279,8 @@ class DSparkComponent(Component):
 
     def tick(self) -> bool:
         """Admit what fits, take prefill replies, and one batched step of every request decoding."""
+        if not self.profiled:
+            self._profile()
         self._admit()
         busy = bool(self.active or self.prefilling)
         try:
@@ -246,20 +298,23 @@ class DSparkComponent(Component):
         return busy
 
     def _step(self) -> None:
-        """One batched step of the requests decoding (up to MAX_BATCH of them). A request whose step
-        found no free KV page tries again next round while others progress (they free pages as they
-        end); when none progressed, the newest of them fails with CAPACITY."""
+        """One batched step of the requests decoding (up to MAX_BATCH of them): one token each, or
+        with the drafter each request's drafts verified. A request whose step found no free KV page
+        tries again next round while others progress (they free pages as they end); when none
+        progressed, the newest of them fails with CAPACITY."""
         batch = [self.active.popleft() for _ in range(min(len(self.active), m.MAX_BATCH))]
-        tails = {}
+        tails, plans = {}, {}
         self.stepping = batch
         try:
+            if self.drafter is not None:
+                plans = self._plan(batch)
             items = []
             for request in batch:
-                item, tails[request.internal_id] = self._step_item(request)
+                item, tails[request.internal_id] = self._step_item(request, plans.get(request.internal_id))
                 items.append(item)
-            batch_id = new_request_id()
-            self.encoder.send(m.BatchStep(request_id=batch_id, items=items))
-            answer, frames = self._collect(self.timeout_s, until=batch_id)
+            started = time.perf_counter()
+            answer, frames = self._batch(items)
+            self._step_time(sum(len(m.unpack_ids(item.ids)) for item in items), time.perf_counter() - started)
         except (ComponentError, m.MessageError) as e:
             for request in batch:
                 self._fail(request, e)
@@ -267,12 +322,17 @@ class DSparkComponent(Component):
         finally:
             self.stepping = []
         logits = dict(zip(answer.request_ids, m.tensor(answer.logits, frames).split(answer.sizes), strict=True))
+        hidden = {}
+        if plans and answer.main_hidden is not None:
+            hidden = dict(zip(answer.request_ids, m.tensor(answer.main_hidden, frames).split(answer.sizes),
+                              strict=True))
         errors = {e.request_id: ComponentError(e.code, e.component, e.text) for e in answer.errors}
         no_pages = [r for r in batch if r.internal_id not in logits and r.internal_id in errors
                     and errors[r.internal_id].code == m.ErrorCode.CAPACITY]
         if no_pages and len(no_pages) == len(batch) and not self.prefilling:
             newest = max(no_pages, key=lambda r: r.started)
             no_pages = [r for r in no_pages if r is not newest]
+        reruns = []
         for request in batch:
             try:
                 if request in no_pages:  # stepped again next round, at the same position
@@ -283,14 +343,30 @@ class DSparkComponent(Component):
                     raise errors.get(request.internal_id) or ComponentError(
                         m.ErrorCode.INTERNAL, "encoder", "the batch reply left this request out")
                 request.tail = tails[request.internal_id]
-                self._emit(request, logits[request.internal_id][-1])
+                rid = request.internal_id
+                if rid in plans:
+                    rerun = self._accept(request, plans[rid], logits[rid], hidden.get(rid))
+                    if rerun is not None:
+                        reruns.append((request, rerun))
+                else:
+                    self._emit(request, logits[rid][-1])
             except (ComponentError, m.MessageError) as e:
                 self._fail(request, e)
+        if reruns:
+            self._rerun(reruns)
 
-    def _step_item(self, request: Request) -> tuple[m.StepItem, list[int]]:
+    def _batch(self, items: list[m.StepItem]) -> tuple[m.BatchLogits, list[memoryview]]:
+        batch_id = new_request_id()
+        self.encoder.send(m.BatchStep(request_id=batch_id, items=items))
+        return self._collect(self.timeout_s, until=batch_id)
+
+    def _step_item(self, request: Request, plan: Plan | None = None) -> tuple[m.StepItem, list[int]]:
         """The request's next step: its last token (with the Engram rows pushed ahead), and the
-        look-back ids after it."""
+        look-back ids after it. With a plan: the last token and the drafts to verify (the encoder
+        looks their Engram rows up itself: a rolled-back position's pushed rows would be stale)."""
         token, rid = request.generated[-1], request.internal_id
+        if plan is not None:
+            return m.StepItem(request_id=rid, ids=m.pack_ids([token, *plan.drafts]), verify=bool(plan.drafts)), []
         position = request.prompt_tokens + len(request.generated) - 1
         window = [*request.tail, token]
         tail = window[max(0, len(window) - self.lookback):] if self.lookback else []
@@ -317,12 +393,15 @@ class DSparkComponent(Component):
         prefill, decode_s = request.prefill, 0.0
         if prefill is not None:
             decode_s = max(0.0, time.perf_counter() - request.started - request.ttft_s)
+        spec = request.spec
         request.reply(m.Finished(
             request_id=request.client_id, reason=reason, prompt_tokens=request.prompt_tokens,
             generated_tokens=len(request.generated), cached_tokens=getattr(prefill, "cached_tokens", 0),
             replayed_layer_tokens=getattr(prefill, "replayed_layer_tokens", 0),
             encoder_layer_tokens=getattr(prefill, "encoder_layer_tokens", 0), ttft_s=request.ttft_s,
-            decode_s=decode_s, engram_wait_s=request.engram_wait_s))
+            decode_s=decode_s, engram_wait_s=request.engram_wait_s, verifications=spec.verifications,
+            draft_tokens=spec.draft_tokens, accepted_tokens=spec.accepted_tokens,
+            accepted_by_position=spec.by_position, lengths=spec.lengths, drafter_s=spec.drafter_s))
 
     def _fail(self, request: Request | None, error: Exception, client_id: int = 0, reply: Reply | None = None,
               release: bool = True) -> None:
@@ -351,3 +430,154 @@ class DSparkComponent(Component):
         for peer in (self.tokenizer, self.encoder, self.engram):
             if peer is not None:
                 peer.close()
+
+    # --- speculative decoding ------------------------------------------------------------------------
+    def _plan(self, batch: list[Request]) -> dict[int, Plan]:
+        """Draft a block for every request (one drafter pass per temperature), then choose how many
+        drafts each verifies: never past its max_new_tokens, at most `length`."""
+        with Stopwatch() as watch:
+            drafted = {}
+            for temperature in sorted({r.sampling.temperature for r in batch}):
+                group = [r for r in batch if r.sampling.temperature == temperature]
+                draft = self.drafter.draft([r.draft for r in group], [r.generated[-1] for r in group], temperature,
+                                           [r.generator for r in group])
+                drafted.update((r.internal_id, (draft, i)) for i, r in enumerate(group))
+            rooms = [min(self.length, r.max_new_tokens - len(r.generated)) for r in batch]
+            confidence = [drafted[r.internal_id][0].confidence[drafted[r.internal_id][1], :room].tolist()
+                          for r, room in zip(batch, rooms, strict=True)]
+            lengths = choose_lengths(confidence, self.cost.steps_per_s, self.mode, fixed=self.length)
+            plans = {}
+            for request, k in zip(batch, lengths, strict=True):
+                draft, i = drafted[request.internal_id]
+                probs = None
+                if request.sampling.temperature > 0 and k:
+                    probs = torch.softmax(draft.logits[i, :k] / max(request.sampling.temperature, 1e-5), dim=-1)
+                plans[request.internal_id] = Plan(draft.tokens[i, :k].tolist(), probs)
+        for request in batch:
+            self._drafter_time(request, watch.total / len(batch))
+        return plans
+
+    def _accept(self, request: Request, plan: Plan, rows: torch.Tensor,
+                hidden: torch.Tensor | None) -> m.StepItem | None:
+        """Emit the verified block's tokens; returns the step that rolls the request back to its
+        checkpoint and runs its accepted tokens again when drafts were rejected (None otherwise)."""
+        drafts, position, last = plan.drafts, request.prompt_tokens + len(request.generated) - 1, request.generated[-1]
+        if request.sampling.temperature == 0:
+            emitted = accept_greedy(rows.argmax(-1).tolist(), drafts, request.stop_ids)
+        else:
+            emitted = accept_sampled(target_probs(rows, request.sampling), plan.probs, drafts, request.generator)
+        accepted = len(emitted) - 1
+        self._count(request.spec, len(drafts), accepted)
+        for token in emitted:
+            if self._push(request, token):
+                return None
+        if hidden is not None:
+            with Stopwatch() as watch:
+                self.drafter.observe(request.draft, hidden[: accepted + 1])
+            self._drafter_time(request, watch.total)
+        if accepted == len(drafts):
+            self.active.append(request)
+            return None
+        return m.StepItem(request_id=request.internal_id, ids=m.pack_ids([last, *drafts[:accepted]]), start=position)
+
+    def _push(self, request: Request, token: int) -> bool:
+        """Emit one token; True when it ends the request (a stop token or the length limit)."""
+        request.generated.append(token)
+        request.reply(m.TokenEvent(request_id=request.client_id, token=token, text=request.detokenizer.push(token)))
+        if token in request.stop_ids or len(request.generated) == request.max_new_tokens:
+            self._finish(request, m.FinishReason.EOS if token in request.stop_ids else m.FinishReason.LENGTH)
+            return True
+        return False
+
+    def _rerun(self, reruns: list[tuple[Request, m.StepItem]]) -> None:
+        """Roll the requests with rejected drafts back to their checkpoints and run their accepted
+        tokens again, as one batch: their caches then hold what plain decoding leaves."""
+        self.stepping = [r for r, _ in reruns]
+        try:
+            answer, _ = self._batch([item for _, item in reruns])
+        except (ComponentError, m.MessageError) as e:
+            for request, _ in reruns:
+                self._fail(request, e)
+            return
+        finally:
+            self.stepping = []
+        errors = {e.request_id: ComponentError(e.code, e.component, e.text) for e in answer.errors}
+        done = set(answer.request_ids)
+        for request, item in reruns:
+            self.counters["spec_rerun_tokens"] += len(m.unpack_ids(item.ids))
+            if request.internal_id in done:
+                self.active.append(request)
+            else:
+                self._fail(request, errors.get(request.internal_id) or ComponentError(
+                    m.ErrorCode.INTERNAL, "encoder", "the batch reply left this request out"))
+
+    def _count(self, spec: SpecStats, drafted: int, accepted: int) -> None:
+        spec.lengths += [0] * (drafted + 1 - len(spec.lengths))
+        spec.lengths[drafted] += 1
+        self.counters[f"spec_length_{drafted}"] += 1
+        if not drafted:
+            return
+        spec.verifications += 1
+        spec.draft_tokens += drafted
+        spec.accepted_tokens += accepted
+        spec.by_position += [0] * (drafted - len(spec.by_position))
+        for i in range(accepted):
+            spec.by_position[i] += 1
+            self.counters[f"spec_accepted_pos_{i}"] += 1
+        self.counters.update(spec_drafts=1, spec_draft_tokens=drafted, spec_accepted_tokens=accepted)
+
+    def _drafter_time(self, request: Request, seconds: float) -> None:
+        request.spec.drafter_s += seconds
+        self.counters["spec_drafter_us"] += int(seconds * 1e6)
+
+    def _step_time(self, tokens: int, seconds: float) -> None:
+        """A batched step's round trip: the scheduler's cost curve and the step-time counter."""
+        self.counters["step_us"] += int(seconds * 1e6)
+        if self.drafter is not None:
+            self.cost.observe(tokens, seconds)
+            a, b = self.cost.fit()
+            self.counters["spec_cost_base_us"], self.counters["spec_cost_per_token_us"] = int(a * 1e6), int(b * 1e6)
+
+    def _profile(self) -> None:
+        """Time a few steps of 1..block+1 tokens of a throwaway sequence (the `auto` scheduler's
+        first cost curve; the real steps keep it current). If that fails the curve starts empty
+        and fills from the real steps."""
+        self.profiled = True
+        rid, sizes = new_request_id(), range(1, self.drafter.block + 2)
+        prompt = [1] * 4
+        try:
+            self.encoder.send(m.Prefill(request_id=rid, ids=m.pack_ids(prompt), mode="ced",
+                                        capacity=len(prompt) + PROFILE_REPEATS * sum(sizes)))
+            self._collect(self.timeout_s, until=rid)
+            for size in sizes:
+                for _ in range(PROFILE_REPEATS):
+                    started = time.perf_counter()
+                    answer, _ = self._batch([m.StepItem(request_id=rid, ids=m.pack_ids([1] * size))])
+                    if answer.errors:
+                        raise ComponentError(answer.errors[0].code, answer.errors[0].component, answer.errors[0].text)
+                    self._step_time(size, time.perf_counter() - started)
+        except ComponentError:
+            self.counters["spec_profile_failed"] += 1
+        finally:
+            self._release(rid)
+
+
+def _speculation(context: ComponentContext) -> tuple[Drafter | None, str, int]:
+    """The drafter, the scheduling mode and the most drafts per step, from the dspark options and
+    the model directory: `mode` unset is auto when the directory holds a drafter, else off."""
+    from dsv41.checkpoint import weight_files
+
+    mode, length = context.option("dspark", "mode", None), context.option("dspark", "length", None)
+    files = weight_files(context.checkpoint_dir) if context.checkpoint_dir is not None else []
+    found = bool(files) and has_drafter(files)
+    mode = mode or ("auto" if found else "off")
+    if mode == "off":
+        return None, "off", 0
+    if not found:
+        where = context.checkpoint_dir or f"the random {context.pipeline.model.config} model"
+        raise ValueError(f"components.dspark.options.mode is {mode!r}, but {where} has no DSpark drafter "
+                         "(no mtp.* tensors); use mode off")
+    model = context.build_model()
+    model.layers = torch.nn.ModuleList()  # the drafter shares only the embedding and the head
+    drafter = Drafter(model, load_dspark(context.config, files))
+    return drafter, mode, min(length or drafter.block, drafter.block)

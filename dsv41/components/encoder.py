@@ -25,6 +25,7 @@ from dsv41.components.sequences import Sequences, model_core, page_capacity
 from dsv41.config import Part
 from dsv41.engine.core import Sequence
 from dsv41.engine.prefix_cache import snapshot_position
+from dsv41.engine.speculative import hold_checkpoint, rewind
 from dsv41.model.cache import export_blocks
 from dsv41.storage.blockfmt import BlockLayout
 
@@ -308,10 +309,15 @@ class EncoderComponent(Component):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"a step of {len(tokens)} tokens; a step carries "
                                  f"1..{self.step_tokens} (the last token and a drafted block)")
         seq = self.sequences.get(item.request_id)
-        if not tokens or seq.cache.length + len(tokens) > seq.cache.capacity:
+        start = seq.cache.length if getattr(item, "start", -1) == -1 else item.start
+        if not tokens or start + len(tokens) > seq.cache.capacity:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(tokens)} tokens do not fit: "
-                                 f"{seq.cache.length} of {seq.cache.capacity} positions used")
-        start = seq.cache.length
+                                 f"{start} of {seq.cache.capacity} positions used")
+        try:
+            rewind(seq, start)
+        except ValueError as e:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, str(e)) from None
+        hold_checkpoint(seq, getattr(item, "verify", False))
         with page_capacity():  # pages first: a full pool fails this request alone
             seq.cache.reserve(start + len(tokens), self.core.encoder_ids)
         fetch = functools.partial(self._rows, item.request_id, start, start + len(tokens)) if item.engram_prefetch \
@@ -338,13 +344,14 @@ class EncoderComponent(Component):
             return
         seqs, tokens, fetches = (list(column) for column in zip(*inputs, strict=True))
         starts, sizes = [seq.cache.length for seq in seqs], [len(t) for t in tokens]
+        verify = [seq.saved is not None for seq in seqs]
         x, pre_mix = self.core.encode_tokens_batch(seqs, tokens, fetches)
         self.counters.update(batches=1, step_tokens=sum(sizes),
                              encoder_layer_tokens=sum(sizes) * len(self.core.encoder))
         out = m.Frames()
         answer, relayed = _relay(*self.decoder.call(m.DecoderBatchStep(
             request_id=message.request_id, request_ids=rids, starts=starts, sizes=sizes, streams=out.add(x),
-            pre_mix=out.add(pre_mix)), out))
+            pre_mix=out.add(pre_mix), verify=verify if any(verify) else []), out))
         reply(msgspec.structs.replace(answer, errors=errors + list(answer.errors)), relayed)
 
     def _rows(self, request_id: int, start: int, end: int) -> dict[int, torch.Tensor] | None:

@@ -11,7 +11,7 @@ sizes are upper bounds per token times the most tokens a message can carry:
 | token ids (Tokens, Detokenize, Prefill, Lookup, EngramPrefetch) | L | 4 |
 | Step / BatchStep | k = dspark_block_size + 1, times 256 requests | 4 |
 | DecoderPrefill | L of global KV + R replayed streams | global KV + streams |
-| DecoderStep / Logits | max(chunk_size, k) | streams / logits + DSpark input |
+| DecoderStep / Logits | max(chunk_size, k, W) (W: a prefill's DSpark input) | streams / logits + DSpark input |
 | DecoderBatchStep / BatchLogits | 256 k | streams / logits + DSpark input |
 | EngramRows | L | Engram rows |
 | PutBlocks / Blocks / LookupResult | 61 blocks, a snapshot, L/16 keys | block payload |
@@ -82,7 +82,7 @@ def pipeline_limits(config: ModelConfig, pipeline: Pipeline) -> m.Limits:
         m.KIND.ENGRAM_PREFETCH: ids,
         m.KIND.STEP: 4 * k, m.KIND.BATCH_STEP: batch * (4 * k + 16),
         m.KIND.DECODER_PREFILL: context * kv + replay * stream,
-        m.KIND.DECODER_STEP: max(chunk, k) * stream, m.KIND.LOGITS: max(chunk, k) * logits,
+        m.KIND.DECODER_STEP: max(chunk, k) * stream, m.KIND.LOGITS: max(chunk, k, window) * logits,
         m.KIND.DECODER_BATCH_STEP: batch * k * stream, m.KIND.BATCH_LOGITS: batch * (k * logits + 4096),
         m.KIND.ENGRAM_ROWS: context * engram,
         m.KIND.LOOKUP_RESULT: keys + snapshot, m.KIND.GET_BLOCKS: keys,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ class Sequence:
     cache: DecodeCache
     counters: Counters = field(default_factory=Counters)
     snapshots: dict[int, bytes] = field(default_factory=dict)  # encoder SWA rings by position, to pool
+    saved: Any = None  # the checkpoint taken before the last verification step (see `speculative.rewind`)
 
     def count_pages(self) -> None:
         self.counters.pages_in_use = self.cache.pages_in_use()
@@ -232,20 +234,29 @@ class InferenceCore:
         return x, pre_mix, starts
 
     def decoder_replay(self, seq: Sequence, x: torch.Tensor, pre_mix: torch.Tensor, starts: list[int],
-                       n: int) -> torch.Tensor:
+                       n: int, targets: list | None = None) -> torch.Tensor:
         """The decoder half: each decoder layer from its start to n-1 on the encoder output
-        streams x (positions n - x.size(1) ..), rebuilding its SWA ring; logits [vocab] at n-1."""
+        streams x (positions n - x.size(1) ..), rebuilding its SWA ring; logits [vocab] at n-1.
+        `targets` collects DSpark's input of the positions each target layer runs (see
+        `replay_hidden`)."""
         shared = SharedAttention(cache=seq.cache, emit_entries=False, scored=seq.counters.indexer_scored)
         for layer, start in zip(self.decoder, starts, strict=True):
             drop = start - (n - x.size(1))
             x, pre_mix = x[:, drop:], pre_mix[:, drop:]
             shared.start = shared.window_floor = start
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared)
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, targets=targets)
             seq.counters.decoder_layer_tokens += n - start
             seq.counters.replayed_layer_tokens += n - start
         seq.cache.length = n
         seq.count_pages()
         return self.model.finish(x[:, -1:], pre_mix[:, -1:])[1][0, -1]
+
+    @staticmethod
+    def replay_hidden(targets: list[torch.Tensor]) -> torch.Tensor:
+        """DSpark's input [r, n_targets * dim] of the last r positions every target layer ran in a
+        decoder replay (an `exact` replay starts each layer at its own position)."""
+        r = min(t.size(1) for t in targets)
+        return torch.cat([t[0, t.size(1) - r :] for t in targets], dim=-1)
 
     def _encode(self, seq: Sequence, tokens: torch.Tensor, start: int, end: int, keep_from: int,
                 replay: bool = False, rows_for=None):

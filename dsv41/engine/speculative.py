@@ -10,12 +10,15 @@ compressor state or page). The drafter's rings take only accepted positions.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from dsv41.engine.core import InferenceCore, Sequence
+from dsv41.model.cache import checkpoint, restore
 from dsv41.model.dspark import Drafter, new_state
+from dsv41.model.reference import Sampling
 
 
 @dataclass
@@ -56,9 +59,7 @@ def greedy_speculative(core: InferenceCore, drafter: Drafter, prompt: list[int],
             saved = core.checkpoint(seq)
             logits, hidden = _run(core, seq, [out[-1], *drafts])
             targets = logits.argmax(-1).tolist()
-            n = 0
-            while n < len(drafts) and drafts[n] == targets[n] and drafts[n] not in stop_ids:
-                n += 1
+            n = len(accept_greedy(targets, drafts, stop_ids)) - 1
             if n < len(drafts):
                 core.rollback(seq, saved)
                 logits, hidden = _run(core, seq, [out[-1], *drafts[:n]])
@@ -94,3 +95,97 @@ def accept_sampled(target: torch.Tensor, draft: torch.Tensor, drafts: list[int],
         return out
     out.append(int(torch.multinomial(target[len(drafts)], 1, generator=gen)))
     return out
+
+
+def accept_greedy(targets: list[int], drafts: list[int], stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """Temperature 0: the longest prefix of drafts equal to the target's argmax (targets[i] follows
+    the input token and drafts[:i]), then the target's next token. A stop token ends the block."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n] and drafts[n] not in stop_ids:
+        n += 1
+    return [*drafts[:n], targets[n]]
+
+
+def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution `sample_next` draws from at temperature > 0 (softmax(logits / T), cut to the
+    top-p mass), for rows logits [k, vocab]."""
+    probs = torch.softmax(logits.float() / max(sampling.temperature, 1e-5), dim=-1, dtype=torch.float32)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+# --- verification over a sequence held by a component (the encoder's or the decoder's half) ---------
+
+
+@torch.inference_mode()
+def rewind(seq: Sequence, start: int) -> None:
+    """Put the sequence at position `start` before a step: its length already, or the position of
+    the checkpoint its last verification step took (the drafts after the accepted ones are then
+    rolled back in every cache: rings, compressor partial groups, pages). Raises ValueError else."""
+    if start in (-1, seq.cache.length):
+        return
+    saved = seq.saved
+    if saved is None or saved.length != start:
+        held = "no checkpoint" if saved is None else f"a checkpoint at position {saved.length}"
+        raise ValueError(f"cannot step at position {start}: the sequence holds {seq.cache.length} positions and "
+                         f"{held}")
+    restore(seq.cache, saved)
+    seq.count_pages()
+    seq.saved = None
+
+
+@torch.inference_mode()
+def hold_checkpoint(seq: Sequence, verify: bool) -> None:
+    """Before a step: a verification step keeps a checkpoint of what it may overwrite, any other
+    step lets the last one go."""
+    seq.saved = checkpoint(seq.cache) if verify else None
+
+
+class StepCost:
+    """Seconds of a backbone step by the tokens it verifies: a + b * tokens, least squares over
+    the mean time of each size seen. Seeded by timed steps at start-up and kept current from the
+    steps the scheduler runs (an exponential average per size, so a change of load shows)."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        old = self.seconds.get(tokens)
+        self.seconds[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def fit(self) -> tuple[float, float]:
+        """(a, b) of the line; with one size only, a line through the origin."""
+        points = list(self.seconds.items())
+        if not points:
+            return 1.0, 0.0
+        if len(points) == 1:
+            n, s = points[0]
+            return 0.0, s / n
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_s = sum(s for _, s in points) / len(points)
+        var = sum((n - mean_n) ** 2 for n, _ in points)
+        b = max(0.0, sum((n - mean_n) * (s - mean_s) for n, s in points) / var)
+        return max(mean_s - b * mean_n, 1e-9), b
+
+    def steps_per_s(self, tokens: int) -> float:
+        a, b = self.fit()
+        return 1.0 / max(a + b * tokens, 1e-9)
+
+
+class Stopwatch:
+    """Seconds spent inside `with` blocks, summed."""
+
+    def __init__(self):
+        self.total = 0.0
+
+    def __enter__(self):
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.total += time.perf_counter() - self._start

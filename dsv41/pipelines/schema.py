@@ -146,10 +146,22 @@ class EngramOptions(CommonOptions, frozen=True, kw_only=True):
     rows_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
 
 
+class DSparkOptions(CommonOptions, frozen=True, kw_only=True):
+    """Options of the dspark component: speculative decoding with the model's DSpark drafter."""
+
+    # auto: the scheduler picks each request's verification length from the drafter's confidence and the
+    # measured step cost; fixed: `length` drafts per request and step; off: one token per step. Unset:
+    # auto when the model directory holds a drafter (mtp.* tensors), else off
+    mode: Literal["auto", "fixed", "off"] | msgspec.UnsetType = msgspec.UNSET
+    # drafts verified per request and step (fixed), or the most (auto); at most the model's
+    # dspark_block_size. Unset: the block size
+    length: Annotated[int, msgspec.Meta(ge=1, le=64)] | msgspec.UnsetType = msgspec.UNSET
+
+
 # The options each component takes; any other key is refused.
 OPTIONS: dict[str, type[CommonOptions]] = {
     "tokenizer": CommonOptions, "engram": EngramOptions, "encoder": ModelOptions, "decoder": ModelOptions,
-    "dspark": CommonOptions, "kvstore": CommonOptions,
+    "dspark": DSparkOptions, "kvstore": CommonOptions,
 }
 
 

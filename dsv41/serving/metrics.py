@@ -118,9 +118,31 @@ class ComponentCollector:
             if values is not None:
                 family.add_metric([self.model], values.get(key, 0))
             yield family
-        dspark = counters.get("dspark") or {}
+        yield from self._speculative(counters.get("dspark") or {})
+
+    def _speculative(self, dspark: dict[str, int]):
+        """DSpark: acceptance length, acceptance by draft position, the lengths chosen, the drafter's
+        share of the time (from dspark's counters)."""
         drafts = dspark.get("spec_drafts", 0)
-        mean = GaugeMetricFamily("dsv41_spec_decode_mean_acceptance_length", "Accepted draft tokens per draft "
-                                 "(0 until speculative decoding runs).", labels=["model_name"])
-        mean.add_metric([self.model], dspark.get("spec_accepted_tokens", 0) / drafts if drafts else 0.0)
+        mean = GaugeMetricFamily("dsv41_spec_decode_mean_acceptance_length", "Tokens emitted per verification "
+                                 "step, the target's bonus token included (0 until speculative decoding runs).",
+                                 labels=["model_name"])
+        mean.add_metric([self.model], (dspark.get("spec_accepted_tokens", 0) + drafts) / drafts if drafts else 0.0)
         yield mean
+        by_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, "
+                                          "by position in the drafted block.", labels=["model_name", "position"])
+        lengths = CounterMetricFamily("dsv41_spec_decode_lengths", "Verification steps of a request by the number "
+                                      "of drafts the scheduler chose.", labels=["model_name", "length"])
+        for key, value in sorted(dspark.items()):
+            if key.startswith("spec_accepted_pos_"):
+                by_position.add_metric([self.model, key.removeprefix("spec_accepted_pos_")], value)
+            elif key.startswith("spec_length_"):
+                lengths.add_metric([self.model, key.removeprefix("spec_length_")], value)
+        yield by_position
+        yield lengths
+        share = GaugeMetricFamily("dsv41_spec_decode_drafter_time_share", "Drafter time over drafter plus "
+                                  "batched step time in dspark (0 until speculative decoding runs).",
+                                  labels=["model_name"])
+        drafter, steps = dspark.get("spec_drafter_us", 0), dspark.get("step_us", 0)
+        share.add_metric([self.model], drafter / (drafter + steps) if drafter + steps else 0.0)
+        yield share
