@@ -49,6 +49,7 @@ TokenBytes = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOKENS)]  # int32 
 Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 Positions = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]  # sequence lengths and capacities
 Counters = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], Count], msgspec.Meta(max_length=256)]
+MAX_SPANS = 16  # images per prompt (dsv41.model.image_processor.MAX_IMAGES)
 
 
 class MessageError(ValueError):
@@ -87,6 +88,11 @@ class Tensor(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unkn
     shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]], msgspec.Meta(max_length=MAX_DIMS)]
     frame: Annotated[int, msgspec.Meta(ge=0, lt=MAX_FRAMES)]
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_TENSOR_BYTES)]
+
+
+# images and spans of one prompt: the wire takes up to MAX_FRAMES, so the tokenizer can name the real limit
+ImageFrames = Annotated[list[Tensor], msgspec.Meta(max_length=MAX_FRAMES)]
+SpanCounts = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]], msgspec.Meta(max_length=MAX_FRAMES)]
 
 
 class Message(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True, kw_only=True):
@@ -137,6 +143,7 @@ class Generate(Message):
     prefill_mode: Annotated[str, msgspec.Meta(pattern="^(ced|exact|full)$")] = "ced"
     stop_at_eos: bool = True
     images: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    image_data: ImageFrames = []  # encoded image files (uint8), one per image placeholder of the prompt
 
 
 class TokenEvent(Message):
@@ -171,11 +178,15 @@ class Tokenize(Message):
     request_id: RequestId
     text: Text
     images: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 0
+    image_data: ImageFrames = []  # encoded image files (uint8): expand, run the ViT, answer with spans
+    ids: TokenBytes = b""  # the prompt as token ids instead of the text (images placed by their placeholders)
 
 
 class Tokens(Message):
     request_id: RequestId
     ids: TokenBytes
+    spans: ImageFrames = []  # each image's span rows [n, hidden] bf16 (ViT + aligner + delimiters)
+    span_starts: SpanCounts = []  # the first position of each span in ids
 
 
 class Detokenize(Message):
@@ -196,6 +207,8 @@ class Prefill(Message):
     mode: Annotated[str, msgspec.Meta(pattern="^(ced|exact|full)$")] = "ced"
     capacity: Positions = 0  # cache positions to reserve; 0: prompt + a default margin
     engram_prefetch: bool = False  # rows arrive from the engram component
+    spans: ImageFrames = []  # image span rows [n, hidden] bf16 (Tokens.spans)
+    span_starts: SpanCounts = []
 
 
 class Step(Message):
@@ -269,6 +282,8 @@ class DecoderPrefill(Message):
     index_k: Tensor
     streams: Tensor  # [1, s, hc, dim] encoder output at positions length - s .. length - 1
     pre_mix: Tensor
+    span_starts: SpanCounts = []  # image spans of the prompt (positions only: bias_vl in the MoE gates)
+    span_lengths: SpanCounts = []
 
 
 class DecoderStep(Message):
@@ -277,6 +292,8 @@ class DecoderStep(Message):
     streams: Tensor
     pre_mix: Tensor
     capacity: Positions = 0  # > 0: first chunk of a `full` prefill; allocate the sequence with this capacity
+    span_starts: SpanCounts = []  # image spans of the prompt (a `full` prefill's chunks)
+    span_lengths: SpanCounts = []
 
 
 class Logits(Message):
@@ -316,9 +333,17 @@ Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_TOKENS // 16)]
 
 
+class ImageKey(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True):
+    """Mixed into the chain key of block `block` (an image span starts there): position and content digest."""
+
+    block: Count
+    key: Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
 class Lookup(Message):
     request_id: RequestId
     ids: TokenBytes
+    image_keys: Annotated[list[ImageKey], msgspec.Meta(max_length=MAX_FRAMES)] = []
 
 
 class LookupResult(Message):

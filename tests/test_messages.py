@@ -390,7 +390,8 @@ def test_unknown_kind_is_malformed(head):
 def test_wrong_fields_are_malformed():
     encode = msgspec.msgpack.encode
     _raises([TOKENIZE, encode([-1, "x", 0, 1])], m.ErrorCode.MALFORMED, ">= 0")
-    _raises([TOKENIZE, encode([1, "x", 0, 1, "extra"])], m.ErrorCode.MALFORMED, "Expected `array` of at most length")
+    _raises([TOKENIZE, encode([1, "x", 0, [], b"", 1, "extra"])], m.ErrorCode.MALFORMED,
+            "Expected `array` of at most length")
     _raises([TOKENIZE, encode({"request_id": 1, "text": "x"})], m.ErrorCode.MALFORMED, "Expected `array`, got `object`")
     _raises([bytes([m.KIND.GENERATE]), _wire(m.encode(m.Generate(request_id=1, prefill_mode="fast")))[1]],
             m.ErrorCode.MALFORMED, "malformed Generate")

@@ -143,7 +143,7 @@ def test_stop_strings_and_seeded_sampling(client):
     ({"messages": []}, "messages", "messages must be a non-empty list"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]", "role is one of"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]", "images not supported"),
+     "messages[0].content[0]", "image URLs are not fetched"),
     ({"reasoning_effort": "medium", "thinking": {"type": "enabled"}}, "reasoning_effort", "reasoning_effort must be"),
     ({"thinking": {"type": "on"}}, "thinking", "thinking must be"),
 ])

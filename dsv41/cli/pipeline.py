@@ -190,9 +190,14 @@ def _placements(pipeline: Pipeline) -> str:
 @pipeline_model_option
 @click.option("--json", "as_json", is_flag=True, help="Print nothing while generating, then one JSON object on "
               "stdout: the text, the token ids and every statistic of the request.")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="An image file (PNG, JPEG, ...) for a model with a vision tower; repeat for several. Each fills "
+                   "one image placeholder token of the prompt, in order; a prompt without placeholders gets them "
+                   "in front. The tokenizer component runs the ViT.")
 def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None, temperature: float | None,
         top_p: float | None, seed: int, prefill_mode: str | None, dspark_mode: str | None, dspark_length: int | None,
-        store: Path | None, runtime_dir: Path | None, model_path: Path | None, as_json: bool) -> None:
+        store: Path | None, runtime_dir: Path | None, model_path: Path | None, as_json: bool,
+        images: tuple[Path, ...]) -> None:
     """Start PIPELINE, complete one prompt, and stop it again.
 
     PIPELINE is a built-in name or a pipeline file (default: local). The completion streams to stdout
@@ -212,6 +217,8 @@ def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None
     given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
              "prefill_mode": prefill_mode}
     options = {k: getattr(pipeline.generation, k) if v is None else v for k, v in given.items()} | {"seed": seed}
+    if images:
+        options["images"] = _image_files(images)
     with _running(pipeline, runtime_dir) as supervisor:
         ids, completion, done = _complete(supervisor, text, options, stream=not as_json)
     if as_json:
@@ -219,6 +226,21 @@ def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None
     else:
         click.echo("")
         click.echo(_summary(done), err=True)
+
+
+def _image_files(paths: tuple[Path, ...]) -> list[bytes]:
+    """The encoded bytes of --image files (checked and decoded by the pipeline's tokenizer)."""
+    from dsv41.components.limits import MAX_REQUEST_IMAGE_BYTES
+    from dsv41.model.image_processor import ImageError, image_bytes
+
+    try:
+        data = [image_bytes(path) for path in paths]
+    except ImageError as exc:
+        raise click.BadParameter(str(exc), param_hint="--image") from None
+    if sum(map(len, data)) > MAX_REQUEST_IMAGE_BYTES:
+        raise click.BadParameter(f"{sum(map(len, data))} bytes of images; one request takes at most "
+                                 f"{MAX_REQUEST_IMAGE_BYTES}", param_hint="--image")
+    return data
 
 
 def with_dspark(pipeline: Pipeline, mode: str | None, length: int | None) -> Pipeline:

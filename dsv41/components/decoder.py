@@ -21,6 +21,17 @@ from dsv41.config import Part
 from dsv41.engine.core import Sequence
 from dsv41.engine.speculative import hold_checkpoint, rewind
 from dsv41.model.cache import DecodeCache
+from dsv41.model.vision import ImageSpan
+
+
+def _spans(message: m.DecoderPrefill | m.DecoderStep) -> list[ImageSpan] | None:
+    """The prompt's image spans as positions only (rows of width 0): the decoder needs them for
+    bias_vl in its MoE gates, never their embeddings."""
+    if len(message.span_starts) != len(message.span_lengths):
+        raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(message.span_starts)} span starts for "
+                             f"{len(message.span_lengths)} span lengths")
+    return [ImageSpan(start, torch.empty(n, 0)) for start, n in zip(message.span_starts, message.span_lengths,
+                                                                    strict=True)] or None
 
 
 class DecoderComponent(Component):
@@ -86,7 +97,7 @@ class DecoderComponent(Component):
                 store.put_raw(0, rows)
             x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
             targets: list[torch.Tensor] = []
-            logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n, targets)
+            logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n, targets, spans=_spans(message))
         self.counters.update(prefills=1, replayed_layer_tokens=seq.counters.replayed_layer_tokens,
                              decoder_layer_tokens=seq.counters.decoder_layer_tokens)
         hidden = self.core.replay_hidden(targets) if targets else None  # seeds the drafter's rings
@@ -100,7 +111,7 @@ class DecoderComponent(Component):
                 raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"step at position {message.start}, but the "
                                      f"sequence holds {seq.cache.length} positions")
             x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
-            logits, hidden = self.core.decode_streams(seq, x, pre_mix, message.start)
+            logits, hidden = self.core.decode_streams(seq, x, pre_mix, message.start, _spans(message))
         self.counters.update(step_tokens=x.size(1), decoder_layer_tokens=x.size(1) * len(self.core.decoder))
         return self._answer(rid, seq, logits, hidden)
 

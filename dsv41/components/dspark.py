@@ -83,6 +83,9 @@ class Request:
     ttft_s: float = 0.0
     engram_wait_s: float = 0.0
     sent_at: float = 0.0  # when its prefill was sent
+    spans: list[torch.Tensor] | None = None  # image span rows [n, hidden] bf16, until the prefill is answered
+    span_starts: list[int] = field(default_factory=list)
+    text_from: int = 0  # the first position after the last image span (Engram rows are pushed from there)
     draft: DraftState | None = None  # the drafter's rings (speculative decoding)
     spec: SpecStats = field(default_factory=SpecStats)
 
@@ -128,8 +131,10 @@ class DSparkComponent(Component):
         try:
             if message.request_id in self.clients:
                 raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"request {message.request_id} is already running")
-            ids = self._prompt_ids(message)
+            ids, (rows, starts) = self._prompt_ids(message, frames)
             request = self._new_request(message, ids, reply)
+            request.spans, request.span_starts = rows, starts
+            request.text_from = max((s + r.size(0) for s, r in zip(starts, rows, strict=True)), default=0)
             if len(self.waiting) >= self.max_waiting and not self._can_admit():
                 raise m.MessageError(m.ErrorCode.CAPACITY, f"the queue is full: {len(self.waiting)} requests wait "
                                      f"for KV pages or a running slot (scheduling.max_waiting); retry later")
@@ -140,12 +145,15 @@ class DSparkComponent(Component):
         self.clients[request.client_id] = request
         self.counters["received"] += 1
 
-    def _prompt_ids(self, message: m.Generate) -> list[int]:
-        if message.ids:
-            return m.unpack_ids(message.ids, self.vocab_size)
-        answer, _ = self.tokenizer.call(m.Tokenize(request_id=new_request_id(), text=message.prompt,
-                                                   images=message.images))
-        return m.unpack_ids(answer.ids)
+    def _prompt_ids(self, message: m.Generate, frames: list[memoryview]) -> tuple[list[int], tuple[list, list]]:
+        """The prompt's ids, and its image spans' rows and starts (the tokenizer runs the ViT)."""
+        if message.ids and not message.image_data and not message.images:
+            return m.unpack_ids(message.ids, self.vocab_size), ([], [])
+        out = m.Frames()
+        images = [out.add(m.tensor(d, frames)) for d in message.image_data]
+        answer, got = self.tokenizer.call(m.Tokenize(request_id=new_request_id(), text=message.prompt, ids=message.ids,
+                                                     images=message.images, image_data=images), out)
+        return m.unpack_ids(answer.ids), ([m.tensor(d, got) for d in answer.spans], list(answer.span_starts))
 
     def _new_request(self, message: m.Generate, ids: list[int], reply: Reply) -> Request:
         if not ids or len(ids) + message.max_new_tokens > self.limit:
@@ -168,9 +176,14 @@ class DSparkComponent(Component):
             request = self.waiting.popleft()
             rid, ids = request.internal_id, request.ids
             try:
-                prefetched = self._prefetch(m.EngramPrefetch(request_id=rid, ids=m.pack_ids(ids), offset=0, start=0))
+                # the engram component does not know image positions: the encoder looks those rows up
+                prefetched = not request.span_starts and self._prefetch(
+                    m.EngramPrefetch(request_id=rid, ids=m.pack_ids(ids), offset=0, start=0))
+                out = m.Frames()
                 self.encoder.send(m.Prefill(request_id=rid, ids=m.pack_ids(ids), mode=request.mode,
-                                            capacity=len(ids) + request.max_new_tokens, engram_prefetch=prefetched))
+                                            capacity=len(ids) + request.max_new_tokens, engram_prefetch=prefetched,
+                                            spans=[out.add(r) for r in request.spans or ()],
+                                            span_starts=request.span_starts), out)
             except ComponentError as e:
                 self._fail(request, e)
                 continue
@@ -190,6 +203,7 @@ class DSparkComponent(Component):
             self._fail(request, error, release=False)  # a failed prefill leaves no state in the encoder
             return
         request.prefill = answer
+        request.spans = None  # the encoder has them; a retried prefill (CAPACITY) came back before this
         request.ttft_s = time.perf_counter() - request.started
         request.engram_wait_s += answer.engram_wait_s
         if self.drafter is not None:
@@ -370,8 +384,9 @@ class DSparkComponent(Component):
         position = request.prompt_tokens + len(request.generated) - 1
         window = [*request.tail, token]
         tail = window[max(0, len(window) - self.lookback):] if self.lookback else []
-        prefetched = self._prefetch(m.EngramPrefetch(request_id=rid, ids=m.pack_ids(window),
-                                                     offset=position + 1 - len(window), start=position))
+        offset = position + 1 - len(window)
+        prefetched = offset >= request.text_from and self._prefetch(
+            m.EngramPrefetch(request_id=rid, ids=m.pack_ids(window), offset=offset, start=position))
         return m.StepItem(request_id=rid, ids=m.pack_ids([token]), engram_prefetch=prefetched), tail
 
     def _emit(self, request: Request, logits: torch.Tensor) -> None:

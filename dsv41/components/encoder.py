@@ -24,9 +24,10 @@ from dsv41.components.runtime import Component, ComponentError, Reply, new_reque
 from dsv41.components.sequences import Sequences, model_core, page_capacity
 from dsv41.config import Part
 from dsv41.engine.core import Sequence
-from dsv41.engine.prefix_cache import snapshot_position
+from dsv41.engine.prefix_cache import snapshot_position, span_extra
 from dsv41.engine.speculative import hold_checkpoint, rewind
 from dsv41.model.cache import export_blocks
+from dsv41.model.vision import ImageSpan
 from dsv41.storage.blockfmt import BlockLayout
 
 LOOKUP_TIMEOUT_S = 5.0  # a lookup hashes the prompt and probes keys: slower means the store is in trouble
@@ -105,6 +106,11 @@ def _relay(answer: m.Logits | m.BatchLogits, frames: list[memoryview]):
     return msgspec.structs.replace(answer, logits=logits, main_hidden=hidden), out
 
 
+def _span_positions(spans: list[ImageSpan] | None) -> dict[str, list[int]]:
+    """Where the image spans are, for the decoder's MoE gates (it needs no rows)."""
+    return {"span_starts": [s.start for s in spans or ()], "span_lengths": [s.rows.size(0) for s in spans or ()]}
+
+
 class EncoderComponent(Component):
     name = "encoder"
     accepts = frozenset({m.KIND.PREFILL, m.KIND.STEP, m.KIND.BATCH_STEP, m.KIND.RELEASE})
@@ -139,7 +145,8 @@ class EncoderComponent(Component):
                     if message.request_id in self.jobs or self._holds(message.request_id):
                         raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"request {message.request_id} already "
                                              "has a sequence")
-                    self.jobs[message.request_id] = (self._prefill(message, reply), reply)
+                    spans = self._spans(message, frames)
+                    self.jobs[message.request_id] = (self._prefill(message, reply, spans), reply)
                 case m.Step():
                     self._step(message, reply)
                 case m.BatchStep():
@@ -183,22 +190,26 @@ class EncoderComponent(Component):
         self._full_jobs.discard(rid)
         reply(m.error_reply(rid, code, component, text))
 
-    def _prefill(self, message: m.Prefill, reply: Reply) -> Iterator[int]:
+    def _prefill(self, message: m.Prefill, reply: Reply, spans: list[ImageSpan] | None = None) -> Iterator[int]:
         """A prefill as a generator that yields after each chunk of chunk_size prompt tokens and
-        replies when done (the checks, the prefix lookup and the page reservation come first)."""
+        replies when done (the checks, the prefix lookup and the page reservation come first).
+        `spans`: the prompt's image spans (Engram rows are then looked up here: the engram component
+        does not know which positions are dead)."""
         rid, ids = message.request_id, m.unpack_ids(message.ids, self.vocab_size)
         self._check_prompt(rid, ids, message.capacity)
-        keys, blocks, snapshot = self._load_prefix(ids) if message.mode == "ced" else ([], [], None)
-        seq, cached = self.core.new_sequence(ids, message.capacity or None, True, blocks, self.layout, self.layers)
+        keys, blocks, snapshot = self._load_prefix(ids, spans) if message.mode == "ced" else ([], [], None)
+        seq, cached = self.core.new_sequence(ids, message.capacity or None, True, blocks, self.layout, self.layers,
+                                             spans)
         self.sequences.add(rid, seq)
         waited = self.mailbox.waited_s
-        rows_for = (lambda start, end: self._rows(rid, start, end)) if message.engram_prefetch else None
+        prefetched = message.engram_prefetch and not spans
+        rows_for = (lambda start, end: self._rows(rid, start, end)) if prefetched else None
         if message.mode == "full":
-            answer, out = yield from self._prefill_full(rid, seq, ids, rows_for)
+            answer, out = yield from self._prefill_full(rid, seq, ids, rows_for, spans)
         else:
             snapshot_at = snapshot_position(len(ids), self.layout.block_tokens, cached) if keys else None
             answer, out = yield from self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for,
-                                                       snapshot, snapshot_at)
+                                                       snapshot, snapshot_at, spans)
             self._store_blocks(seq, keys, len(blocks))
         self.jobs.pop(rid, None)
         self._full_jobs.discard(rid)
@@ -220,18 +231,18 @@ class EncoderComponent(Component):
                                  f"1..{limit} tokens (the context limit)")
 
     def _prefill_ced(self, rid, seq: Sequence, ids: list[int], exact: bool, cached: int, rows_for, snapshot,
-                     snapshot_at):
+                     snapshot_at, spans: list[ImageSpan] | None = None):
         x, pre_mix, starts = yield from self.core.encode_prompt_steps(seq, torch.tensor([ids]), exact, cached, rows_for,
-                                                                      snapshot, snapshot_at)
+                                                                      snapshot, snapshot_at, spans)
         group, n = seq.cache.groups[self.decoder_group], len(ids)
         out = m.Frames()
         request = m.DecoderPrefill(
             request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
             main_kv=out.add(group.main_kv.raw(slice(0, n))), index_k=out.add(group.index_k.raw(slice(0, n))),
-            streams=out.add(x), pre_mix=out.add(pre_mix))
+            streams=out.add(x), pre_mix=out.add(pre_mix), **_span_positions(spans))
         return _relay(*self.decoder.call(request, out))
 
-    def _prefill_full(self, rid, seq: Sequence, ids: list[int], rows_for):
+    def _prefill_full(self, rid, seq: Sequence, ids: list[int], rows_for, spans: list[ImageSpan] | None = None):
         """Every chunk through the encoder, then through the decoder (which computes its own KV)."""
         for start in range(0, len(ids), self.core.chunk_size):
             if start:
@@ -239,26 +250,57 @@ class EncoderComponent(Component):
                 yield start
             chunk = ids[start : start + self.core.chunk_size]
             fetch = functools.partial(rows_for, start, start + len(chunk)) if rows_for else None
-            answer = self._forward(rid, seq, chunk, fetch, first=start == 0)
+            answer = self._forward(rid, seq, chunk, fetch, first=start == 0, spans=spans)
         return answer
 
-    def _forward(self, rid: int, seq: Sequence, tokens: list[int], fetch_rows, first: bool = False):
+    def _forward(self, rid: int, seq: Sequence, tokens: list[int], fetch_rows, first: bool = False,
+                 spans: list[ImageSpan] | None = None):
         """The encoder half of a step, then the decoder's; its reply relayed."""
         start = seq.cache.length
-        x, pre_mix = self.core.encode_tokens(seq, tokens, fetch_rows)
+        x, pre_mix = self.core.encode_tokens(seq, tokens, fetch_rows, spans)
         out = m.Frames()
         request = m.DecoderStep(request_id=rid, start=start, streams=out.add(x), pre_mix=out.add(pre_mix),
-                                capacity=seq.cache.capacity if first else 0)
+                                capacity=seq.cache.capacity if first else 0, **_span_positions(spans))
         return _relay(*self.decoder.call(request, out))
 
+    def _spans(self, message: m.Prefill, frames: list[memoryview]) -> list[ImageSpan] | None:
+        """The prompt's image spans from the message (None: text only). Each must lie on image
+        placeholder tokens of the prompt, in order, without overlapping."""
+        if not message.spans and not message.span_starts:
+            return None
+        model = self.core.model
+        if model.vision is None:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, "this model has no vision tower "
+                                 "(vision_config.num_hidden_layers is 0); send text only")
+        if len(message.spans) != len(message.span_starts):
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(message.spans)} spans for "
+                                 f"{len(message.span_starts)} span starts")
+        ids, dim = m.unpack_ids(message.ids, self.vocab_size), model.config.text_config.hidden_size
+        spans, end = [], 0
+        for descriptor, start in zip(message.spans, message.span_starts, strict=True):
+            rows = m.tensor(descriptor, frames)
+            if rows.dtype != torch.bfloat16 or rows.dim() != 2 or rows.size(1) != dim or not rows.size(0):
+                raise m.MessageError(m.ErrorCode.BAD_TENSOR, f"span rows of {descriptor.dtype} {descriptor.shape}; "
+                                     f"expected bfloat16 [n, {dim}]")
+            if start < end or start + rows.size(0) > len(ids) or \
+                    any(t != model.config.image_token_id for t in ids[start : start + rows.size(0)]):
+                raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"an image span at positions {start}.."
+                                     f"{start + rows.size(0) - 1} does not lie on the prompt's image placeholders")
+            spans.append(ImageSpan(start, rows))
+            end = start + rows.size(0)
+        return spans
+
     # --- the persistent prefix cache ---------------------------------------------------------------
-    def _load_prefix(self, ids: list[int]) -> tuple[list[bytes], list[bytes], bytes | None]:
+    def _load_prefix(self, ids: list[int], spans: list[ImageSpan] | None = None) -> tuple[list[bytes], list[bytes],
+                                                                                         bytes | None]:
         """The prompt's block keys, the payloads of its longest stored chain (leaving at least one
         token to run) and the pooled encoder rings at its end; a kvstore that fails or is gone
-        gives nothing (and nothing is stored either)."""
+        gives nothing (and nothing is stored either). The keys cover the content of `spans`."""
+        extra = span_extra(spans, self.layout.block_tokens) or {}
+        image_keys = [m.ImageKey(block=block, key=key) for block, keys in extra.items() for key in keys]
         try:
-            hit, frames = self.kvstore.call(m.Lookup(request_id=new_request_id(), ids=m.pack_ids(ids)),
-                                            timeout_s=LOOKUP_TIMEOUT_S)
+            hit, frames = self.kvstore.call(m.Lookup(request_id=new_request_id(), ids=m.pack_ids(ids),
+                                                     image_keys=image_keys), timeout_s=LOOKUP_TIMEOUT_S)
             usable = min(hit.cached_blocks, (len(ids) - 1) // self.layout.block_tokens)
             snapshot = bytes(frames[hit.snapshot.frame]) if hit.snapshot is not None and usable == hit.cached_blocks \
                 else None

@@ -75,7 +75,10 @@ class KVStoreComponent(Component):
             return
         match message:
             case m.Lookup():
-                hit = self.policy.lookup(m.unpack_ids(message.ids))
+                extra: dict[int, list[bytes]] = {}
+                for item in message.image_keys:  # image content in the keys of the blocks holding spans
+                    extra.setdefault(item.block, []).append(item.key)
+                hit = self.policy.lookup(m.unpack_ids(message.ids), extra or None)
                 self.counters.update(hit_blocks=hit.cached_blocks, snapshot_hits=hit.swa_snapshot is not None)
                 out = m.Frames()
                 snapshot = None if hit.swa_snapshot is None else out.add(

@@ -29,6 +29,10 @@ largest tensor (2 GiB). Socket limits that follow (MiB, the largest kind each so
 
 An official prompt over about 87K tokens has more Engram rows than the cap: the engram component
 cannot push them and the encoder looks them up itself after `rows_timeout_s`.
+
+A model with a vision tower adds images: Generate and Tokenize carry up to MAX_REQUEST_IMAGE_BYTES of
+encoded image files, Tokens and Prefill the span rows (bf16, hidden wide) of at most
+min(L, 16 x max_image_tokens) positions.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dsv41.config import ModelConfig, Part, global_kv_bytes_per_token
 from dsv41.pipelines.schema import Pipeline
 
 OVERHEAD = 64 << 10  # msgpack fields around the payload: ids, counters, descriptors, error texts
+MAX_REQUEST_IMAGE_BYTES = 64 << 20  # encoded image files of one request, together
 KEY_BYTES = 34  # a 32-byte chain key in msgpack
 BLOCK_HEADER = 64
 
@@ -88,4 +93,9 @@ def pipeline_limits(config: ModelConfig, pipeline: Pipeline) -> m.Limits:
         m.KIND.LOOKUP_RESULT: keys + snapshot, m.KIND.GET_BLOCKS: keys,
         m.KIND.BLOCKS: (m.MAX_FRAMES - 2) * block, m.KIND.PUT_BLOCKS: keys + (m.MAX_FRAMES - 3) * block + snapshot,
     }
+    if config.vision_config.num_hidden_layers:
+        span_rows = min(context, m.MAX_SPANS * config.vision_config.max_image_tokens) * t.hidden_size * 2
+        for kind, extra in ((m.KIND.GENERATE, MAX_REQUEST_IMAGE_BYTES), (m.KIND.TOKENIZE, MAX_REQUEST_IMAGE_BYTES),
+                            (m.KIND.TOKENS, span_rows), (m.KIND.PREFILL, span_rows)):
+            payload[kind] = max(payload[kind], ids) + extra
     return m.Limits({kind: min(OVERHEAD + payload.get(kind, 0), m.MAX_TENSOR_BYTES) for kind in m.KIND})

@@ -366,9 +366,10 @@ class Peer:
             raise ComponentError(message.code, message.component, message.text)
         return (message, frames) if m.request_id_of(message) == request_id else None
 
-    def stream(self, message: m.Message, timeout_s: float | None = None) -> Iterator[m.Message]:
+    def stream(self, message: m.Message, timeout_s: float | None = None,
+               frames: m.Frames | None = None) -> Iterator[m.Message]:
         """Replies to one request until a `Finished` (inclusive)."""
-        self.send(message)
+        self.send(message, frames)
         while True:
             reply, _ = self.receive(message.request_id, timeout_s)
             yield reply

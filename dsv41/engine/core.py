@@ -31,6 +31,7 @@ from dsv41.model.cache import (
 from dsv41.model.pages import PagePools
 from dsv41.model.rope import table_for
 from dsv41.model.transformer import Transformer
+from dsv41.model.vision import ImageSpan, span_mask
 from dsv41.storage.blockfmt import BlockLayout
 
 PREFILL_MODES = ("ced", "exact", "full")
@@ -104,6 +105,19 @@ def _shared(parts: list[SharedAttention], sizes: list[int]) -> SharedAttention |
     return parts[0] if len(parts) == 1 else SharedBatch(parts, sizes)
 
 
+def image_mask(spans: list[ImageSpan] | None, start: int, length: int) -> torch.Tensor | None:
+    """[1, length] True at the positions start.. inside an image span; None without spans (text)."""
+    return span_mask(spans, start, length) if spans else None
+
+
+def _batch_mask(spans: list | None, starts: list[int], sizes: list[int]) -> torch.Tensor | None:
+    """The image mask of a batch's concatenated tokens; None when no sequence has spans."""
+    if not spans or not any(spans):
+        return None
+    return torch.cat([span_mask(s or [], start, size) for s, start, size in zip(spans, starts, sizes, strict=True)],
+                     dim=1)
+
+
 class InferenceCore:
     def __init__(self, model: Transformer, chunk_size: int = 512, pools: PagePools | None = None):
         if chunk_size < 1:
@@ -120,34 +134,38 @@ class InferenceCore:
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], mode: str = "ced", capacity: int | None = None,
-                packed: bool = False) -> tuple[Sequence, torch.Tensor]:
-        """Process a prompt; returns the sequence state and the logits [vocab] at its last token."""
+                packed: bool = False, spans: list[ImageSpan] | None = None) -> tuple[Sequence, torch.Tensor]:
+        """Process a prompt; returns the sequence state and the logits [vocab] at its last token.
+        `spans` (dsv41.model.vision.encode_images) are the prompt's image spans at their positions."""
         if mode not in PREFILL_MODES:
             raise ValueError(f"unknown prefill mode {mode!r}; use one of {PREFILL_MODES}")
         seq, _ = self.new_sequence(ids, capacity, packed)
         tokens = torch.tensor([ids])
         if mode == "full":
-            return seq, self._prefill_full(seq, tokens)
-        return seq, self._prefill_ced(seq, tokens, exact=mode == "exact")
+            return seq, self._prefill_full(seq, tokens, spans)
+        return seq, self._prefill_ced(seq, tokens, exact=mode == "exact", spans=spans)
 
     @torch.inference_mode()
     def prefill_from_prefix(self, ids: list[int], blocks: list[bytes], layout: BlockLayout,
                             capacity: int | None = None, snapshot: bytes | None = None,
-                            snapshot_at: int | None = None) -> tuple[Sequence, torch.Tensor]:
+                            snapshot_at: int | None = None,
+                            spans: list[ImageSpan] | None = None) -> tuple[Sequence, torch.Tensor]:
         """`ced` prefill of ids whose first len(blocks) blocks have stored global KV: the blocks
         are loaded into a packed cache and never rewritten. The encoder's SWA state at the prefix
         end comes from `snapshot` when the decoder replay needs no encoder output of the prefix,
         else from encoder replay. `snapshot_at`: also keep the encoder rings at that position."""
-        seq, cached = self.new_sequence(ids, capacity, True, blocks, layout)
-        x, pre_mix, starts = self.encode_prompt(seq, torch.tensor([ids]), False, cached, None, snapshot, snapshot_at)
-        return seq, self.decoder_replay(seq, x, pre_mix, starts, len(ids))
+        seq, cached = self.new_sequence(ids, capacity, True, blocks, layout, spans=spans)
+        x, pre_mix, starts = self.encode_prompt(seq, torch.tensor([ids]), False, cached, None, snapshot, snapshot_at,
+                                                spans)
+        return seq, self.decoder_replay(seq, x, pre_mix, starts, len(ids), spans=spans)
 
     def new_sequence(self, ids: list[int], capacity: int | None = None, packed: bool = False,
                      blocks: list[bytes] = (), layout: BlockLayout | None = None,
-                     layers: set[int] | None = None) -> tuple[Sequence, int]:
+                     layers: set[int] | None = None, spans: list[ImageSpan] | None = None) -> tuple[Sequence, int]:
         """A sequence with room for the prompt (+1024 by default), its first len(blocks) blocks of
         global KV loaded from stored payloads; returns it and the number of cached tokens.
-        `layers` limits the caches to the layers a part of the model runs (a component)."""
+        `layers` limits the caches to the layers a part of the model runs (a component); `spans` mark
+        the loaded prefix's image positions dead for Engram's look-back."""
         if not ids:
             raise ValueError("the prompt must hold at least one token")
         limit = self.model.config.text_config.max_position_embeddings
@@ -168,6 +186,8 @@ class InferenceCore:
             raise
         if blocks:
             seq.cache.ids[:, :cached] = torch.tensor(ids[:cached])
+            if spans:
+                seq.cache.live[:, :cached] = ~span_mask(spans, 0, cached)
         return seq, cached
 
     def _chunks(self, first: int, n: int, cut: int | None = None):
@@ -180,19 +200,21 @@ class InferenceCore:
             yield start, end
             start = end
 
-    def _prefill_full(self, seq: Sequence, tokens: torch.Tensor) -> torch.Tensor:
+    def _prefill_full(self, seq: Sequence, tokens: torch.Tensor, spans: list[ImageSpan] | None = None) -> torch.Tensor:
         for start, end in self._chunks(0, tokens.size(1)):
-            logits = self.step(seq, tokens[0, start:end].tolist())
+            logits = self.step(seq, tokens[0, start:end].tolist(), spans)
         return logits[-1]
 
-    def _prefill_ced(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0) -> torch.Tensor:
-        x, pre_mix, starts = self.encode_prompt(seq, tokens, exact, cached)
-        return self.decoder_replay(seq, x, pre_mix, starts, tokens.size(1))
+    def _prefill_ced(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0,
+                     spans: list[ImageSpan] | None = None) -> torch.Tensor:
+        x, pre_mix, starts = self.encode_prompt(seq, tokens, exact, cached, spans=spans)
+        return self.decoder_replay(seq, x, pre_mix, starts, tokens.size(1), spans=spans)
 
     def encode_prompt(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0, rows_for=None,
-                      snapshot: bytes | None = None, snapshot_at: int | None = None):
+                      snapshot: bytes | None = None, snapshot_at: int | None = None,
+                      spans: list[ImageSpan] | None = None):
         """`encode_prompt_steps` run to the end (see there)."""
-        steps = self.encode_prompt_steps(seq, tokens, exact, cached, rows_for, snapshot, snapshot_at)
+        steps = self.encode_prompt_steps(seq, tokens, exact, cached, rows_for, snapshot, snapshot_at, spans)
         while True:
             try:
                 next(steps)
@@ -200,7 +222,8 @@ class InferenceCore:
                 return done.value
 
     def encode_prompt_steps(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0,
-                            rows_for=None, snapshot: bytes | None = None, snapshot_at: int | None = None):
+                            rows_for=None, snapshot: bytes | None = None, snapshot_at: int | None = None,
+                            spans: list[ImageSpan] | None = None):
         """The encoder half of a `ced`/`exact` prefill: the encoder over tokens from `cached` on,
         CED-projecting the decoder's global KV. With a cached prefix (global KV loaded, no SWA
         state), its last W tokens are first replayed through the encoder to rebuild the encoder's
@@ -211,7 +234,8 @@ class InferenceCore:
         replay when the decoder replay starts inside the new tokens (the result is then exact); the
         rings at `snapshot_at` are kept in `seq.snapshots`. A generator: it yields the positions
         done after each chunk (so a scheduler can run decode steps of other sequences between chunks)
-        and returns (x, pre_mix, starts)."""
+        and returns (x, pre_mix, starts). `spans`: the prompt's image spans (embeddings, bias_vl
+        routing, dead for Engram), wherever a chunk or the replay meets them."""
         n = tokens.size(1)
         starts = self._decoder_starts(n, exact)
         kept = []
@@ -219,10 +243,10 @@ class InferenceCore:
             restore_encoder_rings(seq.cache, self.encoder_ids, snapshot)
         elif cached:
             replay_from = max(0, cached - self.window)
-            kept.append(self._encode(seq, tokens, replay_from, cached, starts[0], True, rows_for))
+            kept.append(self._encode(seq, tokens, replay_from, cached, starts[0], True, rows_for, spans))
             seq.counters.replayed_layer_tokens += (cached - replay_from) * len(self.encoder)
         for start, end in self._chunks(cached, n, snapshot_at):
-            kept.append(self._encode(seq, tokens, start, end, starts[0], False, rows_for))
+            kept.append(self._encode(seq, tokens, start, end, starts[0], False, rows_for, spans))
             if end == snapshot_at:
                 seq.snapshots[end] = encoder_rings(seq.cache, self.encoder_ids)
             if end < n:
@@ -234,17 +258,19 @@ class InferenceCore:
         return x, pre_mix, starts
 
     def decoder_replay(self, seq: Sequence, x: torch.Tensor, pre_mix: torch.Tensor, starts: list[int],
-                       n: int, targets: list | None = None) -> torch.Tensor:
+                       n: int, targets: list | None = None, spans: list[ImageSpan] | None = None) -> torch.Tensor:
         """The decoder half: each decoder layer from its start to n-1 on the encoder output
         streams x (positions n - x.size(1) ..), rebuilding its SWA ring; logits [vocab] at n-1.
         `targets` collects DSpark's input of the positions each target layer runs (see
-        `replay_hidden`)."""
+        `replay_hidden`).
+        `spans` mark image positions for the MoE gates (only their positions are used)."""
         shared = SharedAttention(cache=seq.cache, emit_entries=False, scored=seq.counters.indexer_scored)
         for layer, start in zip(self.decoder, starts, strict=True):
             drop = start - (n - x.size(1))
             x, pre_mix = x[:, drop:], pre_mix[:, drop:]
             shared.start = shared.window_floor = start
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, targets=targets)
+            mask = image_mask(spans, start, n - start)
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, targets=targets, image_mask=mask)
             seq.counters.decoder_layer_tokens += n - start
             seq.counters.replayed_layer_tokens += n - start
         seq.cache.length = n
@@ -259,17 +285,18 @@ class InferenceCore:
         return torch.cat([t[0, t.size(1) - r :] for t in targets], dim=-1)
 
     def _encode(self, seq: Sequence, tokens: torch.Tensor, start: int, end: int, keep_from: int,
-                replay: bool = False, rows_for=None):
+                replay: bool = False, rows_for=None, spans: list[ImageSpan] | None = None):
         """Encoder layers on positions start..end-1; returns the streams from keep_from on (or None).
         A replay sees SWA positions from `start` only and leaves every global KV entry as loaded."""
         cache, first_decoder = seq.cache, self.decoder[0]
-        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache)
+        mask = image_mask(spans, start, end - start)
+        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache, mask, spans)
         if rows_for is not None:
             rows = PrefetchedRows(lambda: rows_for(start, end), rows, self.model)
         shared = SharedAttention(start=start, cache=cache, emit_entries=not replay,
                                  window_floor=start if replay else 0, scored=seq.counters.indexer_scored)
         for layer in self.encoder:
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live)
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live, mask)
         seq.counters.encoder_layer_tokens += (end - start) * len(self.encoder)
         if not replay:  # CED: the decoder's global KV, projected from the encoder output
             x20 = first_decoder.attn_norm(mhc.collapse(x, pre_mix))
@@ -291,13 +318,14 @@ class InferenceCore:
         return [max(0, n - w - (depth - 1 - j) * (w - 1)) for j in range(depth)]
 
     @torch.inference_mode()
-    def step(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
+    def step(self, seq: Sequence, tokens: list[int], spans: list[ImageSpan] | None = None) -> torch.Tensor:
         """Run 1..k new tokens through all layers (decode, verification of drafted tokens, or a
-        chunk of a `full` prefill); returns their logits [k, vocab]."""
-        return self.step_batch([seq], [tokens])[0]
+        chunk of a `full` prefill, with the prompt's image `spans`); returns their logits [k, vocab]."""
+        return self.step_batch([seq], [tokens], [spans] if spans else None)[0]
 
     @torch.inference_mode()
-    def step_batch(self, seqs: list[Sequence], tokens: list[list[int]]) -> list[torch.Tensor]:
+    def step_batch(self, seqs: list[Sequence], tokens: list[list[int]],
+                   spans: list | None = None) -> list[torch.Tensor]:
         """One step over several sequences of any lengths, 1..k tokens each: the per-token work
         (mHC, norms, MoE, head) runs once over all their tokens, attention per sequence. Returns
         each sequence's logits [k_i, vocab]."""
@@ -305,33 +333,39 @@ class InferenceCore:
         for seq, ids in zip(seqs, tokens, strict=True):  # both halves' pages first: a full pool changes nothing
             self._check_step(seq, ids)
             seq.cache.reserve(seq.cache.length + len(ids))
-        x, pre_mix = self.encode_tokens_batch(seqs, tokens)
-        return self.decode_streams_batch(seqs, x, pre_mix, starts, [len(t) for t in tokens])[0]
+        x, pre_mix = self.encode_tokens_batch(seqs, tokens, spans=spans)
+        return self.decode_streams_batch(seqs, x, pre_mix, starts, [len(t) for t in tokens], spans)[0]
 
-    def encode_tokens(self, seq: Sequence, tokens: list[int], fetch_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_tokens(self, seq: Sequence, tokens: list[int], fetch_rows=None,
+                      spans: list[ImageSpan] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder half of a step: new tokens at the next positions through layers 0..19;
         advances the cache length. `fetch_rows()` supplies prefetched Engram rows."""
-        return self.encode_tokens_batch([seq], [tokens], [fetch_rows])
+        return self.encode_tokens_batch([seq], [tokens], [fetch_rows], [spans] if spans else None)
 
     @torch.inference_mode()
-    def encode_tokens_batch(self, seqs: list[Sequence], tokens: list[list[int]],
-                            fetch_rows: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`encode_tokens` for several sequences: their streams concatenated along the sequence axis."""
+    def encode_tokens_batch(self, seqs: list[Sequence], tokens: list[list[int]], fetch_rows: list | None = None,
+                            spans: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`encode_tokens` for several sequences: their streams concatenated along the sequence axis.
+        `spans[i]`: sequence i's image spans (None: text only)."""
         for seq, ids in zip(seqs, tokens, strict=True):  # pages first: a full pool changes nothing
             self._check_step(seq, ids)
             seq.cache.reserve(seq.cache.length + len(ids), self.encoder_ids)
         parts, xs, pre_mixes, rows = [], [], [], []
-        for seq, ids, fetch in zip(seqs, tokens, fetch_rows or [None] * len(seqs), strict=True):
+        spans = spans or [None] * len(seqs)
+        mask = _batch_mask(spans, [seq.cache.length for seq in seqs], [len(ids) for ids in tokens])
+        for seq, ids, fetch, own in zip(seqs, tokens, fetch_rows or [None] * len(seqs), spans, strict=True):
             cache, start = seq.cache, seq.cache.length
-            x, pre_mix, row_ids, _ = self.model.begin(torch.tensor([ids]), start, cache)
+            x, pre_mix, row_ids, _ = self.model.begin(torch.tensor([ids]), start, cache,
+                                                      image_mask(own, start, len(ids)), own)
             xs.append(x)
             pre_mixes.append(pre_mix)
             rows.append(PrefetchedRows(fetch, row_ids, self.model) if fetch is not None else row_ids)
             parts.append(SharedAttention(start=start, cache=cache, scored=seq.counters.indexer_scored))
         shared = _shared(parts, [len(ids) for ids in tokens])
         x, pre_mix, rows = torch.cat(xs, dim=1), torch.cat(pre_mixes, dim=1), self._batch_rows(rows)
+        live = None if mask is None else ~mask
         for layer in self.encoder:
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows)
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live, mask)
         for seq, ids in zip(seqs, tokens, strict=True):
             seq.counters.encoder_layer_tokens += len(ids) * len(self.encoder)
             seq.cache.length += len(ids)
@@ -351,15 +385,17 @@ class InferenceCore:
                                  for r in rows])
 
     def decode_streams(self, seq: Sequence, x: torch.Tensor, pre_mix: torch.Tensor,
-                       start: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       start: int, spans: list[ImageSpan] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder half of a step: encoder output streams of positions start.. through layers
-        20..39 and the head; returns logits [k, vocab] and DSpark's input [k, 3 * dim]."""
-        logits, hidden = self.decode_streams_batch([seq], x, pre_mix, [start], [x.size(1)])
+        20..39 and the head; returns logits [k, vocab] and DSpark's input [k, 3 * dim]. `spans`: image
+        positions among them (a chunk of a `full` prefill), for the MoE gates."""
+        logits, hidden = self.decode_streams_batch([seq], x, pre_mix, [start], [x.size(1)], [spans] if spans else None)
         return logits[0], hidden[0]
 
     @torch.inference_mode()
     def decode_streams_batch(self, seqs: list[Sequence], x: torch.Tensor, pre_mix: torch.Tensor, starts: list[int],
-                             sizes: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                             sizes: list[int],
+                             spans: list | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`decode_streams` for several sequences whose streams are concatenated (sizes[i] each)."""
         for seq, start, size in zip(seqs, starts, sizes, strict=True):  # pages first: a full pool changes nothing
             self.model.check_span(start, size, seq.cache)
@@ -368,8 +404,9 @@ class InferenceCore:
                  for seq, start in zip(seqs, starts, strict=True)]
         targets: list[torch.Tensor] = []
         shared = _shared(parts, sizes)
+        mask = _batch_mask(spans, starts, sizes)
         for layer in self.decoder:
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, targets=targets)
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, image_mask=mask, targets=targets)
         for seq, start, size in zip(seqs, starts, sizes, strict=True):
             seq.counters.decoder_layer_tokens += size * len(self.decoder)
             seq.cache.length = start + size

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
 from dsv41 import messages as m
 from dsv41.components.runtime import Peer, new_request_id
 
 
 def generate(peer: Peer, prompt: str = "", ids: list[int] | None = None, timeout_s: float | None = None,
-             **options) -> Iterator[m.TokenEvent | m.Finished]:
-    """Token events, then one `Finished`; raises ComponentError when the request fails."""
-    request = m.Generate(request_id=new_request_id(), prompt=prompt, ids=m.pack_ids(ids) if ids else b"", **options)
-    yield from peer.stream(request, timeout_s)
+             images: list[bytes] = (), **options) -> Iterator[m.TokenEvent | m.Finished]:
+    """Token events, then one `Finished`; raises ComponentError when the request fails. `images`: encoded
+    image files (PNG, JPEG, ...), one per image placeholder of the prompt (none: they go in front)."""
+    frames = m.Frames()
+    data = [frames.add(torch.frombuffer(bytearray(image), dtype=torch.uint8)) if image else
+            frames.add(torch.empty(0, dtype=torch.uint8)) for image in images]
+    request = m.Generate(request_id=new_request_id(), prompt=prompt, ids=m.pack_ids(ids) if ids else b"",
+                         image_data=data, **options)
+    yield from peer.stream(request, timeout_s, frames)

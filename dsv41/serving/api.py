@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv41 import messages as m
+from dsv41.model.image_processor import ImageError, data_url_bytes
 from dsv41.pipelines.schema import MAX_TEMPERATURE
 
 MAX_STOP = 16
@@ -75,6 +76,7 @@ class ChatRequest:
     reasoning_effort: int | str | None
     sampling: Sampling
     raw: dict = field(repr=False, default_factory=dict)
+    images: list[bytes] = field(repr=False, default_factory=list)  # encoded files of the image_url parts, in order
 
 
 # Known OpenAI parameters that dsv41 does not implement, with the values that mean "off".
@@ -165,21 +167,42 @@ def sampling(body: dict, limits: Limits, token_keys: tuple[str, ...], default_te
     return Sampling(max_tokens, temperature, top_p, seed % (1 << 63), [s for s in stop if s], stream, include_usage)
 
 
-def _content_blocks(content: Any, where: str) -> Any:
-    """A message's content as chat.render takes it; images are refused until the vision tower is served."""
+def _content_blocks(content: Any, where: str, images: list[bytes]) -> Any:
+    """A message's content as chat.render takes it; the bytes of its image_url parts (data: URLs
+    only: a remote URL is refused, never fetched) are appended to `images`."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where} must be a string or a list of content parts", param=where)
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("image_url", "image", "input_image"):
-            raise APIError(400, "images not supported: image inputs are not served yet; send text parts only",
-                           param=f"{where}[{j}]", code="images_not_supported")
+        if kind == "image_url":
+            images.append(_image_part(part, f"{where}[{j}]"))
+            continue
+        if kind in ("image", "input_image"):
+            raise APIError(400, f"content parts of type {kind!r} are not supported; send {{\"type\": \"image_url\", "
+                           "\"image_url\": {\"url\": \"data:image/png;base64,...\"}}", param=f"{where}[{j}]",
+                           code="unsupported_parameter")
         if kind != "text" or not isinstance(part.get("text"), str):
             raise APIError(400, f"{where}[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}",
                            param=f"{where}[{j}]")
     return content
+
+
+def _image_part(part: dict, where: str) -> bytes:
+    """The encoded image of an image_url part: a base64 data: URL; http(s) and other URLs are refused."""
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str) or not url:
+        raise APIError(400, f"{where} needs image_url.url: a data: URL (data:image/png;base64,...)", param=where)
+    if not url.startswith("data:"):
+        scheme = url.split(":", 1)[0] if ":" in url else "a non-data"
+        raise APIError(400, f"image URLs are not fetched ({scheme} URL in {where}): send the image inline as a data: "
+                       "URL (data:image/png;base64,...)", param=where, code="invalid_image_url")
+    try:
+        return data_url_bytes(url)
+    except ImageError as e:
+        raise APIError(400, f"{where}: {e}", param=where, code="invalid_image") from None
 
 
 def chat_request(body: dict, limits: Limits, default_temperature: float, default_top_p: float) -> ChatRequest:
@@ -188,7 +211,7 @@ def chat_request(body: dict, limits: Limits, default_temperature: float, default
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list", param="messages")
-    out = []
+    out, images = [], []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise APIError(400, f"messages[{i}] must be an object whose role is one of {', '.join(ROLES)}",
@@ -196,7 +219,7 @@ def chat_request(body: dict, limits: Limits, default_temperature: float, default
         message = dict(message)
         if message["role"] == "developer":
             message["role"] = "system"
-        message["content"] = _content_blocks(message.get("content"), f"messages[{i}].content")
+        message["content"] = _content_blocks(message.get("content"), f"messages[{i}].content", images)
         calls = message.get("tool_calls")
         if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list)):
             raise APIError(400, f"messages[{i}].tool_calls must be a list, on an assistant message",
@@ -217,7 +240,7 @@ def chat_request(body: dict, limits: Limits, default_temperature: float, default
                        param="response_format", code="unsupported_parameter")
     return ChatRequest(out, tools or None, _thinking(body), body.get("reasoning_effort"),
                        sampling(body, limits, ("max_tokens", "max_completion_tokens"), default_temperature,
-                                default_top_p), body)
+                                default_top_p), body, images)
 
 
 def _thinking(body: dict) -> bool:

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -28,7 +29,9 @@ from tokenizers import Tokenizer
 from dsv41 import messages as m
 from dsv41.chat import render
 from dsv41.components.runtime import new_request_id
-from dsv41.model.tokenizer import encode
+from dsv41.config import VisionConfig
+from dsv41.model.image_processor import MAX_IMAGES, ImageError, preprocess
+from dsv41.model.tokenizer import IMAGE, encode
 from dsv41.serving.api import APIError, ChatRequest, Limits, chat_request, completion_prompt, component_error, fit
 from dsv41.serving.api import sampling as parse_sampling
 from dsv41.serving.backend import Backend
@@ -52,6 +55,8 @@ class Settings:
     retry_after_s: int
     max_body_bytes: int
     api_key: str | None = None
+    image_token_id: int = -1
+    vision: VisionConfig | None = None  # None: the model has no vision tower (image parts are refused)
 
 
 class Disconnected(Exception):
@@ -61,7 +66,8 @@ class Disconnected(Exception):
 class Generation:
     """One request in flight: its events from dspark, parsed, with the front end's timings."""
 
-    def __init__(self, app: ServingApp, http: Request, request: m.Generate, parser: OutputParser):
+    def __init__(self, app: ServingApp, http: Request, request: m.Generate, parser: OutputParser,
+                 frames: m.Frames | None = None):
         self.app, self.http, self.parser = app, http, parser
         self.rid, self.prompt_tokens = request.request_id, len(request.ids) // 4
         self.started = time.perf_counter()
@@ -69,7 +75,7 @@ class Generation:
         self.tokens = 0
         self.finished: m.Finished | None = None
         self.reason: str | None = None
-        self.events = app.backend.submit(request)
+        self.events = app.backend.submit(request, frames)
 
     async def _next(self) -> m.Message:
         while True:
@@ -139,8 +145,9 @@ class Generation:
 
     def usage(self) -> dict:
         cached = self.finished.cached_tokens if self.finished else 0
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                "total_tokens": self.prompt_tokens + self.tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        prompt = self.finished.prompt_tokens if self.finished else self.prompt_tokens  # image spans expanded
+        return {"prompt_tokens": prompt, "completion_tokens": self.tokens,
+                "total_tokens": prompt + self.tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class ServingApp:
@@ -174,10 +181,10 @@ class ServingApp:
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         return body
 
-    def generate(self, ids: list[int], max_tokens: int, sampling) -> m.Generate:
+    def generate(self, ids: list[int], max_tokens: int, sampling, image_data: list[m.Tensor] = ()) -> m.Generate:
         return m.Generate(request_id=new_request_id(), ids=m.pack_ids(ids), max_new_tokens=max_tokens,
                           temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-                          prefill_mode=self.settings.prefill_mode)
+                          prefill_mode=self.settings.prefill_mode, image_data=list(image_data))
 
 
 def _sse(data: dict | str) -> str:
@@ -239,10 +246,13 @@ def create_app(serving: ServingApp) -> FastAPI:
     async def chat(request: Request):
         body = await serving.body(request)
         chat = chat_request(body, serving.limits, settings.temperature, settings.top_p)
+        span_tokens = await run_in_threadpool(_image_tokens, serving, chat.images) if chat.images else 0
         ids = await run_in_threadpool(_chat_ids, serving, chat)
-        max_tokens = fit(len(ids), chat.sampling, serving.limits, "messages")
+        max_tokens = fit(len(ids) + span_tokens, chat.sampling, serving.limits, "messages")
         parser = OutputParser(thinking=chat.thinking, tools=bool(chat.tools), stop=chat.sampling.stop)
-        run = Generation(serving, request, serving.generate(ids, max_tokens, chat.sampling), parser)
+        frames = m.Frames()
+        images = [frames.add(torch.frombuffer(bytearray(image), dtype=torch.uint8)) for image in chat.images]
+        run = Generation(serving, request, serving.generate(ids, max_tokens, chat.sampling, images), parser, frames)
         head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": settings.model}
         if chat.sampling.stream:
             return await _stream(run, lambda d, reason: _chat_chunk(head, d, reason, chat.thinking),
@@ -291,7 +301,29 @@ def _chat_ids(serving: ServingApp, chat: ChatRequest) -> list[int]:
         param = "reasoning_effort" if "reasoning_effort" in str(e) else "tools" if "tool must" in str(e) \
             else "messages"
         raise APIError(400, str(e), param=param) from None
-    return encode(serving.tokenizer, prompt, bos=False)
+    if not chat.images:
+        return encode(serving.tokenizer, prompt, bos=False)
+    ids = []  # one image placeholder id per image part, whatever the tokenizer makes of its text
+    for i, piece in enumerate(prompt.split(IMAGE)):
+        ids += ([serving.settings.image_token_id] if i else []) + (encode(serving.tokenizer, piece, bos=False)
+                                                                    if piece else [])
+    return ids
+
+
+def _image_tokens(serving: ServingApp, images: list[bytes]) -> int:
+    """Checks the request's images as the tokenizer will (a bad one is a 400 here) and returns the
+    prompt tokens their spans add beyond their placeholders."""
+    vision = serving.settings.vision
+    if vision is None:
+        raise APIError(400, "this model has no vision tower: send text parts only", param="messages",
+                       code="images_not_supported")
+    if len(images) > MAX_IMAGES:
+        raise APIError(400, f"{len(images)} images in one request; the limit is {MAX_IMAGES}", param="messages",
+                       code="invalid_image")
+    try:
+        return sum(preprocess(image, vision).plan.n_tokens - 1 for image in images)
+    except ImageError as e:
+        raise APIError(400, f"an image_url part: {e}", param="messages", code="invalid_image") from None
 
 
 async def _drain(run: Generation) -> None:

@@ -34,7 +34,7 @@ class Backend:
     def __init__(self, endpoint: str, keys_dir: Path | None = None, limits: m.Limits = m.DEFAULT_LIMITS,
                  timeout_s: float = 600.0):
         self.endpoint, self.keys_dir, self.limits, self.timeout_s = endpoint, keys_dir, limits, timeout_s
-        self._outbox: queue.Queue[m.Message] = queue.Queue()
+        self._outbox: queue.Queue[tuple[m.Message, m.Frames | None]] = queue.Queue()
         self._streams: dict[int, _Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -47,12 +47,13 @@ class Backend:
             raise self._error
 
     # --- event-loop side ---------------------------------------------------------------------------
-    def submit(self, request: m.Generate) -> asyncio.Queue:
-        """Send a request; its replies (TokenEvent..., then Finished or Error) arrive on the queue."""
+    def submit(self, request: m.Generate, frames: m.Frames | None = None) -> asyncio.Queue:
+        """Send a request (with its images' tensor frames); its replies (TokenEvent..., then Finished or
+        Error) arrive on the queue."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._streams[request.request_id] = stream
-        self._outbox.put(request)
+        self._outbox.put((request, frames))
         return stream.events
 
     def cancel(self, request_id: int, keep: bool = False) -> None:
@@ -61,7 +62,7 @@ class Backend:
         if not keep:
             with self._lock:
                 self._streams.pop(request_id, None)
-        self._outbox.put(m.Release(request_id=request_id))
+        self._outbox.put((m.Release(request_id=request_id), None))
 
     def in_flight(self) -> int:
         with self._lock:
@@ -97,11 +98,11 @@ class Backend:
     def _send_queued(self, peer: Peer) -> None:
         while True:
             try:
-                message = self._outbox.get_nowait()
+                message, frames = self._outbox.get_nowait()
             except queue.Empty:
                 return
             try:
-                peer.send(message)
+                peer.send(message, frames)
             except ComponentError as e:
                 if not isinstance(message, m.Release):
                     self._deliver(message.request_id, m.error_reply(message.request_id, e.code, e.component, e.text))

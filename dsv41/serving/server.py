@@ -53,7 +53,8 @@ def build_app(pipeline: Pipeline, endpoints: dict[str, str], runtime_dir: Path, 
                         eos_id=eos, default_max_tokens=generation.max_new_tokens,
                         temperature=generation.temperature, top_p=generation.top_p,
                         prefill_mode=generation.prefill_mode, retry_after_s=pipeline.scheduling.retry_after_s,
-                        max_body_bytes=max_body_bytes, api_key=api_key)
+                        max_body_bytes=max_body_bytes, api_key=api_key, image_token_id=config.image_token_id,
+                        vision=config.vision_config if config.vision_config.num_hidden_layers else None)
     return ServingApp(backend, context.tokenizer, settings, ping, COMPONENTS)
 
 

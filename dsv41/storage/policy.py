@@ -45,15 +45,16 @@ class PrefixCachePolicy:
         self.store, self.pool, self.fingerprint, self.block_size = store, pool, fingerprint, block_size
         self.counters = PolicyCounters()
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        return block_keys(tokens, self.fingerprint, self.block_size)
+    def keys(self, tokens: Sequence[int], extra: dict[int, Sequence[bytes]] | None = None) -> list[bytes]:
+        """Chain keys of the complete blocks; `extra` (prefix.image_extra) covers image content."""
+        return block_keys(tokens, self.fingerprint, self.block_size, extra)
 
     def position_key(self, keys: list[bytes], blocks: int) -> bytes:
         """Identity of the position after `blocks` complete blocks (the chain key, or the seed)."""
         return keys[blocks - 1] if blocks else chain_seed(self.fingerprint)
 
-    def lookup(self, tokens: Sequence[int]) -> PrefixHit:
-        keys = self.keys(tokens)
+    def lookup(self, tokens: Sequence[int], extra: dict[int, Sequence[bytes]] | None = None) -> PrefixHit:
+        keys = self.keys(tokens, extra)
         cached = self.store.longest_prefix(keys)
         snapshot = self.pool.get(self.position_key(keys, cached)) if cached else None
         self.counters.lookups += 1
@@ -63,10 +64,10 @@ class PrefixCachePolicy:
         return PrefixHit(keys, cached, cached * self.block_size, snapshot, replay)
 
     def plan_writes(self, hit: PrefixHit, prompt_len: int, output_tokens: Sequence[int],
-                    prompt: Sequence[int]) -> WritePlan:
+                    prompt: Sequence[int], extra: dict[int, Sequence[bytes]] | None = None) -> WritePlan:
         """New complete blocks of prompt + output beyond the hit, and the snapshot positions."""
         full = list(prompt[:prompt_len]) + list(output_tokens)
-        keys = self.keys(full)
+        keys = self.keys(full, extra)
         new = [(i, keys[i]) for i in range(hit.cached_blocks, len(keys))]
         positions = sorted({prompt_len // self.block_size, len(full) // self.block_size} - {0})
         return WritePlan(new, [(b * self.block_size, self.position_key(keys, b)) for b in positions])

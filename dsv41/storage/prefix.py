@@ -68,6 +68,16 @@ def block_key(parent: bytes, tokens: Sequence[int], extra: Sequence[bytes] = ())
     return h.digest()
 
 
+def image_extra(spans: Sequence[tuple[int, bytes]], block_size: int) -> dict[int, list[bytes]]:
+    """Extra keys for `block_keys` from image spans given as (start position, content digest): each
+    goes into the block where its span starts, so that block's key and, through the chain, every
+    later block's key depend on the image; blocks before it stay shared with any other image."""
+    extra: dict[int, list[bytes]] = {}
+    for start, digest in sorted(spans):
+        extra.setdefault(start // block_size, []).append(struct.pack("<Q", start) + digest)
+    return extra
+
+
 def block_keys(tokens: Sequence[int], fingerprint: Fingerprint, block_size: int = DEFAULT_BLOCK_SIZE,
                extra: dict[int, Sequence[bytes]] | None = None) -> list[bytes]:
     """One key per complete block of `tokens` (a trailing partial block has none). `extra` maps a
