@@ -12,7 +12,7 @@ CONFIG_HELP = f"Built-in config name ({', '.join(BUILTIN_CONFIGS)}) or path to a
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--config", "config_name", required=True, help=CONFIG_HELP)
+@click.option("--config", "config_name", help=CONFIG_HELP + " Required unless --dspark trains on --model.")
 @click.option("--corpus", "corpora", required=True, multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="UTF-8 text file; repeat the option for several.")
@@ -45,11 +45,32 @@ CONFIG_HELP = f"Built-in config name ({', '.join(BUILTIN_CONFIGS)}) or path to a
               help="Continue from a checkpoint written with the same options.")
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="tokenizer.json [default: the byte-level tokenizer of the config's vocabulary].")
-def train(config_name: str, corpora: tuple[Path, ...], steps: int, seq_len: int, batch: int, out_dir: Path,
+@click.option("--dspark", is_flag=True,
+              help="Train the DSpark drafter (mtp.* stages) of a frozen backbone instead of a model: --seq-len is "
+                   "the length of each greedy continuation sample, --batch the samples per step.")
+@click.option("--model", "model_name",
+              help="With --dspark: the backbone, a model directory or a built-in model name [default: small; "
+                   "with --config, random weights of that config seeded by --seed].")
+@click.option("--prompt-len", default=64, type=click.IntRange(1),
+              help="With --dspark: corpus tokens before each greedy continuation.")
+@click.option("--samples", default=128, type=click.IntRange(1),
+              help="With --dspark: greedy continuations of training prompts (the distillation set).")
+@click.option("--val-samples", default=16, type=click.IntRange(1),
+              help="With --dspark: greedy continuations of held-out prompts.")
+@click.option("--anchors", default=16, type=click.IntRange(1),
+              help="With --dspark: blocks drafted per sample per step.")
+@click.option("--confidence-weight", default=1.0, type=click.FloatRange(0),
+              help="With --dspark: weight of the confidence head's binary cross-entropy.")
+@click.option("--write-drafter", "write_into", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="With --dspark: after training, write the drafter's mtp.* tensors into this model directory's "
+                   "model.safetensors (every backbone tensor is kept byte for byte).")
+def train(config_name: str | None, corpora: tuple[Path, ...], steps: int, seq_len: int, batch: int, out_dir: Path,
           lr: float, min_lr_ratio: float, warmup: int | None, weight_decay: float, clip: float,
           dense_steps: int | None, kl_weight: float, balance_rate: float, seed: int, val_fraction: float,
           eval_every: int, eval_batches: int, save_every: int, time_limit: float | None, threads: int,
-          resume: Path | None, tokenizer_path: Path | None) -> None:
+          resume: Path | None, tokenizer_path: Path | None, dspark: bool, model_name: str | None,
+          prompt_len: int, samples: int, val_samples: int, anchors: int, confidence_weight: float,
+          write_into: Path | None) -> None:
     """Train a model of CONFIG on the text of --corpus files, on the CPU.
 
     The network is dsv41's own (dsv41/model), in training mode: every weight is an fp32 master
@@ -62,12 +83,32 @@ def train(config_name: str, corpora: tuple[Path, ...], steps: int, seq_len: int,
     Checkpoints hold the float masters, optimizer state, step and RNG states; --resume continues
     bit for bit. Runs are deterministic for a --seed and thread count.
 
+    With --dspark the backbone (--model) is frozen and only its DSpark drafter is trained, by
+    distillation from the backbone's greedy continuations of corpus prompts; docs/dspark.md.
+
     \b
-    Example:
+    Examples:
       dsv41 train --config small --corpus shakespeare.txt --corpus lib.txt \\
           --tokenizer tokenizer.json --steps 2000 --seq-len 512 --batch 8 --out runs/small
+      dsv41 train --dspark --model small --corpus shakespeare.txt --corpus lib.txt \\
+          --steps 900 --seq-len 192 --batch 8 --out runs/dspark --write-drafter dsv41/models/small
     """
     import torch
+
+    torch.set_num_threads(threads)
+    if dspark:
+        from dsv41.training.dspark import DraftOptions
+
+        opts = DraftOptions(
+            steps=steps, seq_len=seq_len, batch=batch, lr=lr, min_lr_ratio=min_lr_ratio,
+            warmup=round(0.05 * steps) if warmup is None else warmup, weight_decay=weight_decay, clip=clip,
+            balance_rate=balance_rate, seed=seed, val_fraction=val_fraction, eval_every=eval_every,
+            eval_batches=eval_batches, save_every=save_every, prompt_len=prompt_len, samples=samples,
+            val_samples=val_samples, anchors=anchors, confidence_weight=confidence_weight)
+        _train_dspark(config_name, model_name, tokenizer_path, corpora, opts, out_dir, resume, time_limit, write_into)
+        return
+    if config_name is None:
+        raise click.UsageError("--config is required (or --dspark with --model)")
     from tokenizers import Tokenizer
     from tqdm import tqdm
 
@@ -75,7 +116,6 @@ def train(config_name: str, corpora: tuple[Path, ...], steps: int, seq_len: int,
     from dsv41.training.data import load_corpus
     from dsv41.training.loop import Trainer, TrainOptions, jsonl_logger, run
 
-    torch.set_num_threads(threads)
     try:
         config = load_config(config_name)
     except ConfigError as exc:
@@ -118,3 +158,86 @@ def train(config_name: str, corpora: tuple[Path, ...], steps: int, seq_len: int,
             bar.update(1)
 
         run(trainer, log_and_echo, time_limit, progress)
+
+
+def _backbone(config_name: str | None, model_name: str | None, tokenizer_path: Path | None, seed: int):
+    """The frozen backbone and its tokenizer: a model directory (or built-in name), or seeded
+    random weights of a config."""
+    from tokenizers import Tokenizer
+
+    from dsv41.checkpoint import CheckpointError, load_model, open_model_dir, resolve_model_dir
+    from dsv41.model.reference import random_model
+    from dsv41.model.tokenizer import byte_tokenizer
+
+    if config_name is not None and model_name is not None:
+        raise click.UsageError("--config and --model exclude each other")
+    if config_name is not None:
+        try:
+            config = load_config(config_name)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+        tokenizer = (Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path
+                     else byte_tokenizer(config.text_config.vocab_size))
+        return random_model(config, seed, tokenizer), tokenizer
+    try:
+        model_dir = open_model_dir(resolve_model_dir(model_name or "small"))
+        model, _ = load_model(model_dir)
+    except (CheckpointError, ConfigError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    path = tokenizer_path or model_dir.tokenizer_path
+    if path is None:
+        raise click.ClickException(f"{model_dir.path} has no tokenizer.json; pass --tokenizer")
+    return model, Tokenizer.from_file(str(path))
+
+
+def _train_dspark(config_name, model_name, tokenizer_path, corpora, opts, out_dir: Path, resume: Path | None,
+                  time_limit: float | None, write_into: Path | None) -> None:
+    from tqdm import tqdm
+
+    from dsv41.training.data import load_corpus
+    from dsv41.training.dspark import DraftTrainer, write_drafter
+    from dsv41.training.loop import jsonl_logger, run
+
+    backbone, tokenizer = _backbone(config_name, model_name, tokenizer_path, opts.seed)
+    t = backbone.config.text_config
+    if not (t.num_nextn_predict_layers and t.dspark_block_size):
+        raise click.ClickException("the backbone's config has no DSpark stages (num_nextn_predict_layers)")
+    if opts.seq_len > t.max_position_embeddings:
+        raise click.BadParameter(f"exceeds the config's {t.max_position_embeddings} positions", param_hint="--seq-len")
+    click.echo(f"tokenizing {len(corpora)} file(s)...", err=True)
+    try:
+        corpus = load_corpus(list(corpora), tokenizer, opts.val_fraction)
+        click.echo(f"greedy continuations: {opts.samples} training and {opts.val_samples} held-out samples of "
+                   f"{opts.seq_len} tokens (cached in {out_dir / 'distill.pt'})...", err=True)
+        trainer = DraftTrainer(backbone, tokenizer, corpus, opts, out_dir)
+        if resume is not None:
+            trainer.load(resume)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    click.echo(f"DSpark drafter: {n_params:,} parameters, backbone frozen; {opts.steps} steps of {opts.batch} "
+               f"samples x {opts.anchors} blocks of {trainer.block}", err=True)
+    log = jsonl_logger(out_dir / "train_log.jsonl")
+
+    def log_and_echo(record: dict) -> None:
+        if record["kind"] == "validation":
+            record = {**record, **trainer.metrics}
+        log(record)
+        if record["kind"] != "step":
+            bar.write(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+
+    with tqdm(total=opts.steps, initial=trainer.step, unit="step", dynamic_ncols=True) as bar:
+        def progress(result, rate: float) -> None:
+            bar.set_postfix(loss=f"{result.loss:.3f}", conf=f"{result.confidence_loss:.3f}",
+                            agree=f"{result.agreement:.3f}", refresh=False)
+            bar.update(1)
+
+        run(trainer, log_and_echo, time_limit, progress)
+    if write_into is not None:
+        try:
+            written = write_drafter(trainer.model, write_into)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"wrote {written['mtp_tensors']} mtp.* tensors into {write_into}/model.safetensors "
+                   f"({written['bytes'] / 1e6:.1f} MB; {written['backbone_tensors']} backbone tensors unchanged)",
+                   err=True)

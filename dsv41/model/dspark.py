@@ -88,10 +88,12 @@ class DSparkStage(Block):
         return rotate(self.attn.kv_norm(self.attn.wkv(main_x)), table)
 
     def run(self, x: torch.Tensor, pre_mix: torch.Tensor, table: torch.Tensor,
-            rings: list[torch.Tensor], ring_idx: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            rings: list[torch.Tensor] | torch.Tensor,
+            ring_idx: list[torch.Tensor] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft rows of several blocks x [n_blocks, s, hc, dim] (block i at rows table[i]
         [s, rope/2]) through the stage; block i attends to rings[i] (values [W, head_dim]) at
-        ring_idx[i] ([W] slots, -1 unused) and to its own s rows."""
+        ring_idx[i] ([W] slots, -1 unused) and to its own s rows. Stacked rings [n_blocks, W,
+        head_dim] with ring_idx [n_blocks, W] run all blocks in one attention call (training)."""
         attn_pre, attn_post, attn_comb = self.coefficients(x, "attn")
         attn_out = self._draft_attention(self.attn_norm(mhc.collapse(x, pre_mix)), table, rings, ring_idx)
         x, ffn_in, ffn_pre, ffn_post, ffn_comb = dispatch.mhc_update(
@@ -111,14 +113,21 @@ class DSparkStage(Block):
         qr = attn.q_norm(attn.wq_a(x))
         q = heads(attn.wq_b(qr).unflatten(-1, (attn.n_heads, attn.head_dim)))
         kv = rotate(attn.kv_norm(attn.wkv(x)), table)
-        outs = []
-        for i in range(b):
-            ring = rings[i]
-            keys = torch.cat([ring, fp8_qdq(kv[i])], dim=0).unsqueeze(0)
-            idx = torch.cat([ring_idx[i], ring.size(0) + torch.arange(s)]).int().expand(1, s, -1)
-            outs.append(sparse_attention(q[i : i + 1], keys, attn.attn_sink, idx, attn.head_dim**-0.5))
+        if isinstance(rings, torch.Tensor):  # every block's window at once [b, W, head_dim] (training)
+            keys = torch.cat([rings, fp8_qdq(kv)], dim=1)
+            own = rings.size(1) + torch.arange(s).expand(b, s)
+            idx = torch.cat([ring_idx, own], dim=1).int().unsqueeze(1).expand(b, s, -1)
+            outs = [sparse_attention(q, keys, attn.attn_sink, idx, attn.head_dim**-0.5)]
+        else:
+            outs = []
+            for i in range(b):
+                ring = rings[i]
+                keys = torch.cat([ring, fp8_qdq(kv[i])], dim=0).unsqueeze(0)
+                idx = torch.cat([ring_idx[i], ring.size(0) + torch.arange(s)]).int().expand(1, s, -1)
+                outs.append(sparse_attention(q[i : i + 1], keys, attn.attn_sink, idx, attn.head_dim**-0.5))
         o = heads(torch.cat(outs), inverse=True).view(b, s, attn.n_groups, -1)
-        o = numerics.einsum("bsgd,grd->bsgr", o, attn.wo_a.weight.view(attn.n_groups, attn.o_rank, -1))
+        wo_a = attn.wo_a.weight
+        o = numerics.einsum("bsgd,grd->bsgr", o.to(wo_a.dtype), wo_a.view(attn.n_groups, attn.o_rank, -1))
         return attn.wo_b(o.flatten(2))
 
 
@@ -180,22 +189,56 @@ class Drafter:
         """One pass for each sequence: `tokens[i]` is the token chosen at position states[i].length
         (not yet taken in); drafts the block_size tokens after it. temperature 0 drafts the argmax,
         otherwise samples softmax(logits / temperature)."""
-        s, hc = self.block, self.t.hc_mult
-        noise = self.t.dspark_noise_token_id
-        ids = torch.tensor([[tok] + [noise] * (s - 1) for tok in tokens])
-        x = self.model.embed(ids).unsqueeze(2).repeat(1, 1, hc, 1)
-        pre_mix = mhc.first_pre_mix(x, hc)
-        positions = torch.tensor([st.length for st in states]).unsqueeze(1) + torch.arange(s)
-        table = self.table[positions]
         idx = [ring_indices(st.length - 1, self.window)[0] if st.length else torch.full((self.window,), -1)
                for st in states]
+        starts = torch.tensor([st.length for st in states])
+        hidden, base = self._blocks(torch.tensor(tokens), starts,
+                                    lambda j: ([st.rings[j].read()[0] for st in states], idx))
+        return self._markov(self.stages[-1], base, hidden, torch.tensor(tokens), temperature, generators)
+
+    def _blocks(self, tokens: torch.Tensor, starts: torch.Tensor, rings_of) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks of tokens[i] then noise at positions starts[i].. through the stages (`rings_of(j)`:
+        stage j's rings and slots, see DSparkStage.run): collapsed pre-norm hidden [b, block, dim]
+        and base logits [b, block, vocab]."""
+        s, hc = self.block, self.t.hc_mult
+        ids = torch.cat([tokens.unsqueeze(1), torch.full((tokens.numel(), s - 1), self.t.dspark_noise_token_id)], 1)
+        dtype = self.stages[0].attn_norm.weight.dtype  # bf16 served, fp32 in training
+        x = self.model.embed(ids).to(dtype).unsqueeze(2).repeat(1, 1, hc, 1)
+        pre_mix = mhc.first_pre_mix(x, hc)
+        table = self.table[starts.unsqueeze(1) + torch.arange(s)]
         for j, stage in enumerate(self.stages):
-            rings = [st.rings[j].read()[0] for st in states]
-            x, pre_mix = stage.run(x, pre_mix, table, rings, idx)
-        last = self.stages[-1]
+            x, pre_mix = stage.run(x, pre_mix, table, *rings_of(j))
         hidden = mhc.collapse(x, pre_mix)
-        base = numerics.linear(last.norm(hidden).float(), self.model.head.weight)
-        return self._markov(last, base, hidden, torch.tensor(tokens), temperature, generators)
+        return hidden, numerics.linear(self.stages[-1].norm(hidden).float(), self.model.head.weight)
+
+    def teacher_forced(self, main_hidden: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                       previous: torch.Tensor) -> Draft:
+        """The draft pass of many blocks at once, differentiable in the stages (training with the
+        backbone frozen). main_hidden [n_seq, L, n_targets * dim] and tokens [n_seq, L] are accepted
+        positions; anchors [n, 2] (sequence, position p) each draft after tokens[seq, p] with the
+        ring of positions p-W..p-1, as `observe` up to p then `draft` would. previous [n, block]
+        holds the token before each draft position (tokens[seq, p], then the target tokens): the
+        Markov head reads it in place of the drafts (they are equal wherever acceptance can still
+        reach). The confidence head sees its inputs detached, so it learns on top of the drafter
+        without steering it. Draft.tokens are the argmax of the biased logits."""
+        first, n_seq, length = self.stages[0], tokens.size(0), tokens.size(1)
+        main_x = first.main_norm(first.main_proj(main_hidden.to(first.main_norm.weight.dtype)))
+        table = self.table[:length].expand(n_seq, -1, -1)
+        seq, p = anchors[:, 0], anchors[:, 1]
+        window = p.unsqueeze(1) - self.window + torch.arange(self.window)  # oldest first, -1 in front
+        idx = torch.where(window >= 0, torch.arange(self.window), -1)
+        rows = window.clamp(min=0)
+
+        def rings_of(j: int):
+            entries = fp8_qdq(self.stages[j].ring_entries(main_x, table))
+            return entries[seq.unsqueeze(1), rows], idx
+
+        hidden, base = self._blocks(tokens[seq, p], p, rings_of)
+        last = self.stages[-1]
+        emb = last.markov_head.embed(previous)
+        logits = base + last.markov_head.bias(emb)
+        confidence = last.confidence_head(hidden.detach(), emb.detach())
+        return Draft(logits.argmax(-1), logits, confidence)
 
     def _markov(self, last: DSparkStage, base, hidden, first, temperature, generators) -> Draft:
         b, s = base.shape[:2]

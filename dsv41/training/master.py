@@ -45,12 +45,13 @@ def to_training(model: Transformer) -> Transformer:
 
 
 @torch.no_grad()
-def inference_state(model: Transformer) -> dict[str, torch.Tensor]:
+def inference_state(model: nn.Module, reference: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The masters in the checkpoint's storage formats, by official name: FP8 (32x32 E8M0 tiles)
     and FP4 linears, FP8 Engram rows (one scale per 32 channels), bf16/fp32 tensors cast; tensors a
     loaded checkpoint holds in another form than it stores (FP8 wo_a dequantized, bf16 promoted to
-    fp32) take that form, so a model from these values equals the exported directory loaded."""
-    reference = build_model(model.config, device="meta")
+    fp32) take that form, so a model from these values equals the exported directory loaded.
+    `reference` is the served module on the meta device (default: the backbone of model.config)."""
+    reference = reference if reference is not None else build_model(model.config, device="meta")
     state: dict[str, torch.Tensor] = {}
     for name, module in reference.named_modules():
         prefix = f"{name}." if name else ""
