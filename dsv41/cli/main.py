@@ -118,8 +118,11 @@ def flops(config_name: str | None, model_path: Path | None, contexts: str) -> No
 @click.option("--top-p", default=1.0, show_default=True, type=TOP_P,
               help="Nucleus sampling mass.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights and of sampling.")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image file for a model with a vision tower (repeat for several). Each fills one image "
+                   "placeholder token of PROMPT, in order; a PROMPT without placeholders gets them in front.")
 def generate(prompt: str, config_name: str | None, model_path: Path | None, max_new_tokens: int, temperature: float,
-             top_p: float, seed: int) -> None:
+             top_p: float, seed: int, images: tuple[str, ...]) -> None:
     """Generate a continuation of PROMPT in-process with the reference model.
 
     With --config the weights are seeded random values, so the output is not meaningful language:
@@ -134,6 +137,19 @@ def generate(prompt: str, config_name: str | None, model_path: Path | None, max_
     source = generator(config_name, model_path, seed, _load)
     config, tok = source.config, source.tokenizer
     ids = encode(tok, prompt)
+    expanded = None
+    if images:
+        from dsv41.model.image_processor import ImageError, expand_prompt, load_images
+
+        if config.vision_config.num_hidden_layers == 0:
+            raise click.ClickException("this model has no vision tower (vision_config.num_hidden_layers is 0)")
+        if config.image_token_id not in ids:
+            ids = [config.image_token_id] * len(images) + ids
+        try:
+            expanded = expand_prompt(ids, load_images(list(images), config.vision_config), config.image_token_id)
+        except ImageError as e:
+            raise click.ClickException(str(e)) from None
+        ids = expanded.ids
     limit = config.text_config.max_position_embeddings
     if len(ids) + max_new_tokens > limit:
         raise click.ClickException(f"prompt ({len(ids)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the "
@@ -142,7 +158,12 @@ def generate(prompt: str, config_name: str | None, model_path: Path | None, max_
     model = source.build()
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     start, out = time.perf_counter(), []
-    for token in run(model, ids, max_new_tokens, sampling, stop_ids=source.stop_ids):
+    spans = None
+    if expanded is not None:
+        from dsv41.model.vision import encode_images
+
+        spans = encode_images(model, expanded)
+    for token in run(model, ids, max_new_tokens, sampling, stop_ids=source.stop_ids, spans=spans):
         out.append(token)
         click.echo(f"\r{len(out)}/{max_new_tokens} tokens", nl=False, err=True)
     elapsed = time.perf_counter() - start

@@ -46,9 +46,9 @@ def kv_table(config: ModelConfig) -> str:
 
 def params_table(config: ModelConfig) -> str:
     counts = build_model(config, device="meta").parameter_counts()
-    backbone = sum(v for k, v in counts.items() if k != "engram tables")
+    backbone = sum(v for k, v in counts.items() if k not in ("engram tables", "vision"))
     rows = [f"{part:<16} {n / 1e9:>12.4f} B" for part, n in counts.items()]
-    rows.append(f"{'backbone':<16} {backbone / 1e9:>12.4f} B   (all but Engram tables)")
+    rows.append(f"{'backbone':<16} {backbone / 1e9:>12.4f} B   (all but Engram tables and vision)")
     rows.append(f"{'total':<16} {sum(counts.values()) / 1e9:>12.4f} B   (DSpark stages not built yet)")
     return "parameters (logical elements; FP4 counts two per byte, scales excluded)\n" + "\n".join(rows)
 

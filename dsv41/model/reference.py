@@ -49,15 +49,16 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator |
 
 
 @torch.inference_mode()
-def forward(model: Transformer, ids: torch.Tensor, trace: Trace | None = None) -> ForwardOutput:
-    """All positions of ids [b, s] (s within the context limit), no cache."""
-    return model(ids, trace=trace)
+def forward(model: Transformer, ids: torch.Tensor, trace: Trace | None = None, spans=None) -> ForwardOutput:
+    """All positions of ids [b, s] (s within the context limit), no cache; `spans` are image spans
+    (dsv41.model.vision.encode_image) at their positions."""
+    return model(ids, trace=trace, spans=spans)
 
 
 @torch.inference_mode()
 def generate(
     model: Transformer, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-    stop_ids: tuple[int, ...] = (),
+    stop_ids: tuple[int, ...] = (), spans=None,
 ) -> Iterator[int]:
     """Yield new token ids one by one, re-running the full sequence for each."""
     if not prompt:
@@ -65,7 +66,7 @@ def generate(
     gen = torch.Generator().manual_seed(sampling.seed)
     ids = list(prompt)
     for _ in range(max_new_tokens):
-        logits = forward(model, torch.tensor([ids])).logits[:, -1]
+        logits = forward(model, torch.tensor([ids]), spans=spans).logits[:, -1]
         token = int(sample_next(logits, sampling, gen)[0])
         yield token
         if token in stop_ids:

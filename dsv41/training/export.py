@@ -21,8 +21,8 @@ from dsv41.training.master import inference_state, to_training
 def load_trained(path: str | Path) -> tuple[Transformer, ModelConfig, Tokenizer, int]:
     """The trainable model (fp32 masters, eval mode), its config and tokenizer, and its step."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # not a torch file at all: pickle, zip and format errors alike
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # not a torch file, or one holding more than tensors and plain values
         raise ValueError(f"{path} is not a dsv41 training checkpoint: {exc}") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a dsv41 training checkpoint (format {CHECKPOINT_FORMAT})")

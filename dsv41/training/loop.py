@@ -171,7 +171,7 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Continue from a checkpoint of a run with the same schedule options."""
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path} is not a dsv41 training checkpoint")
         saved = TrainOptions(**state["options"]).schedule()
