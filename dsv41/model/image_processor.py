@@ -145,7 +145,10 @@ def open_image(data: bytes) -> Image.Image:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageError(f"the image is too large to decode: {e}") from None
-    except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError, Image.UnidentifiedImageError) as e:
+    except Image.UnidentifiedImageError:  # its message names an in-memory object, not the input
+        raise ImageError("the image cannot be decoded: not an image format Pillow reads (PNG, JPEG, WebP, GIF, ...)"
+                         ) from None
+    except (OSError, ValueError, SyntaxError, EOFError, TypeError, MemoryError) as e:
         raise ImageError(f"the image cannot be decoded: {e}") from None
 
 
