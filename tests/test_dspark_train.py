@@ -204,6 +204,34 @@ def _plain(core: InferenceCore, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def test_the_builtin_drafter_predicts_the_backbones_greedy_continuations():
+    """One draft pass after each prompt: a trained drafter's tokens often equal what the backbone
+    then decodes greedily (a random one over 4,096 tokens almost never does)."""
+    from dsv41.model.tokenizer import load_tokenizer
+
+    model, _ = load_model("small")
+    drafter = Drafter(model, load_dspark(model.config, weight_files(open_model_dir(resolve_model_dir("small")).path)))
+    tokenizer = load_tokenizer("small", model.config.text_config.vocab_size)
+    core = InferenceCore(model)
+    hits = total = 0
+    for text in ("ROMEO:\nBut soft, what light through yonder window", "    def __init__(self, name):\n        self.",
+                 "First Citizen:\nWe are accounted poor citizens"):
+        prompt = [0, *tokenizer.encode(text).ids]
+        greedy = _plain(core, prompt, drafter.block)
+        with torch.inference_mode():
+            seq, _ = core.new_sequence(prompt, len(prompt) + 1)
+            x, pre_mix = core.encode_tokens_batch([seq], [prompt])
+            _, hidden = core.decode_streams_batch([seq], x, pre_mix, [0], [len(prompt)])
+            core.release(seq)
+            state = new_state(model.config)
+            drafter.observe(state, hidden[0])
+            drafts = drafter.draft([state], [greedy[0]]).tokens[0].tolist()
+        hits += sum(d == g for d, g in zip(drafts, greedy[1:], strict=False))
+        total += len(greedy) - 1
+    assert hits >= total // 4, (hits, total)
+
+
+@pytest.mark.slow
 def test_the_builtin_model_drafts_and_speculative_equals_plain_greedy():
     model_dir = open_model_dir(resolve_model_dir("small"))
     files = weight_files(model_dir.path)
