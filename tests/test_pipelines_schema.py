@@ -282,7 +282,7 @@ def test_component_options_are_checked_by_name_type_and_range(tmp_path):
         "7: components.encoder.options.kv_pages: expected `int` >= 1 (value -5)",
         f"8: components.decoder.options.kv_pages: expected `int` <= {1 << 24} (value 1099511627776)",
         "8: components.decoder.options.threads: expected `int`, got `float` (value 2.5)",
-        "9: components.dspark.options.kv_pages: unknown field; expected one of threads",
+        "9: components.dspark.options.kv_pages: unknown field; expected one of threads, mode, length",
     ]
 
 
