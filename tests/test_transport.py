@@ -185,7 +185,8 @@ GARBAGE = [
     ("70 frames", [TOKENIZE, _tokenize("x")[1], *[b"f"] * 68], m.ErrorCode.MALFORMED, "got 70"),
     ("deep nesting", [TOKENIZE, b"\x91" * 5000 + b"\xc0"], m.ErrorCode.MALFORMED, "malformed Tokenize"),
     ("extra frame", [*_tokenize("x"), b"tensor"], m.ErrorCode.BAD_TENSOR, "describes frames [] but carries 1"),
-    ("version 2", [TOKENIZE, msgspec.msgpack.encode([1, "x", 0, 2])], m.ErrorCode.VERSION, "protocol version 2"),
+    ("version 2", [TOKENIZE, msgspec.msgpack.encode(m.Tokenize(request_id=1, text="x", version=2))],
+     m.ErrorCode.VERSION, "protocol version 2"),
 ]
 
 
