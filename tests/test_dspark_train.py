@@ -4,17 +4,14 @@ and the exported drafter of the built-in model keeps greedy speculative decoding
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors import safe_open
 
 from dsv41.checkpoint import load_model, open_model_dir, resolve_model_dir, weight_files
-from dsv41.cli.main import cli
 from dsv41.engine.core import InferenceCore
 from dsv41.engine.speculative import SpecStats, greedy_speculative
 from dsv41.export import export_model
@@ -33,8 +30,8 @@ from dsv41.training.dspark import (
     served_drafter,
     write_drafter,
 )
+from tests.helpers.training import corpus_slice, steps, train
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "tinyshakespeare_input.txt"
 ARGS = ["--dspark", "--config", "micro", "--seq-len", "32", "--prompt-len", "10", "--batch", "2",
         "--samples", "4", "--val-samples", "2", "--anchors", "6", "--lr", "1e-2", "--warmup", "2",
         "--threads", "1"]
@@ -42,37 +39,18 @@ ARGS = ["--dspark", "--config", "micro", "--seq-len", "32", "--prompt-len", "10"
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "slice.txt"
-    if CORPUS.exists():
-        path.write_text(CORPUS.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    else:
-        path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 300, encoding="utf-8")
-    return path
-
-
-def _train(corpus: Path, out: Path, *extra: str) -> list[dict]:
-    threads = torch.get_num_threads()
-    try:
-        result = CliRunner().invoke(cli, ["train", *ARGS, "--corpus", str(corpus), "--out", str(out), *extra])
-    finally:
-        torch.set_num_threads(threads)
-    assert result.exit_code == 0, result.output
-    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-
-
-def _steps(records: list[dict]) -> list[dict]:
-    return [r for r in records if r["kind"] == "step"]
+    return corpus_slice(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
 def full_run(corpus, tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("full")
-    return out, _train(corpus, out, "--steps", "24", "--save-every", "12", "--eval-every", "12")
+    return out, train(ARGS, corpus, out, "--steps", "24", "--save-every", "12", "--eval-every", "12")
 
 
 def test_the_loss_falls_and_checkpoints_are_written(full_run):
     out, records = full_run
-    losses = [r["loss"] for r in _steps(records)]
+    losses = [r["loss"] for r in steps(records)]
     assert len(losses) == 24
     assert sum(losses[-6:]) / 6 < 0.7 * sum(losses[:6]) / 6, losses
     validations = [r for r in records if r["kind"] == "validation"]
@@ -84,11 +62,11 @@ def test_the_loss_falls_and_checkpoints_are_written(full_run):
 def test_resume_continues_bit_for_bit(full_run, corpus, tmp_path):
     out, records = full_run
     shutil.copy(out / "distill.pt", tmp_path / "distill.pt")
-    resumed = _train(corpus, tmp_path, "--steps", "24", "--resume", str(out / "dspark-000012.pt"))
+    resumed = train(ARGS, corpus, tmp_path, "--steps", "24", "--resume", str(out / "dspark-000012.pt"))
     def timeless(rows):
         return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
 
-    assert timeless(_steps(resumed)) == timeless(_steps(records)[12:])
+    assert timeless(steps(resumed)) == timeless(steps(records)[12:])
     a, b = load_checkpoint(out / "dspark-000024.pt"), load_checkpoint(tmp_path / "dspark-000024.pt")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 

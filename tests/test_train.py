@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from dsv41.checkpoint import load_model
-from dsv41.cli.main import cli
 from dsv41.config import load_config
 from dsv41.export import export_model
 from dsv41.model.reference import random_model
@@ -19,52 +16,29 @@ from dsv41.training.export import load_trained
 from dsv41.training.indexer_loss import indexer_kl
 from dsv41.training.loop import new_model
 from dsv41.training.master import inference_model, to_training
+from tests.helpers.training import corpus_slice, invoke, steps, train
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "tinyshakespeare_input.txt"
 ARGS = ["--config", "micro", "--seq-len", "32", "--batch", "2", "--steps", "20", "--lr", "1e-2",
         "--warmup", "2", "--dense-steps", "6", "--eval-batches", "1", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "slice.txt"
-    if CORPUS.exists():
-        path.write_text(CORPUS.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
-    else:  # a checkout without ../shared: any English-like text will do
-        path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 300, encoding="utf-8")
-    return path
-
-
-def _invoke(args: list[str]):
-    threads = torch.get_num_threads()  # --threads sets it for the process; later tests keep theirs
-    try:
-        return CliRunner().invoke(cli, args)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train(corpus: Path, out: Path, *extra: str) -> list[dict]:
-    result = _invoke(["train", *ARGS, "--corpus", str(corpus), "--out", str(out), *extra])
-    assert result.exit_code == 0, result.output
-    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-
-
-def _steps(records: list[dict]) -> list[dict]:
-    return [r for r in records if r["kind"] == "step"]
+    return corpus_slice(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
 def full_run(corpus, tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("full")
-    return out, _train(corpus, out, "--save-every", "10")
+    return out, train(ARGS, corpus, out, "--save-every", "10")
 
 
 def test_loss_falls_and_checkpoints_are_written(full_run):
     out, records = full_run
-    losses = [r["loss"] for r in _steps(records)]
+    losses = [r["loss"] for r in steps(records)]
     assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
-    assert [r["dense"] for r in _steps(records)] == [True] * 6 + [False] * 14
+    assert [r["dense"] for r in steps(records)] == [True] * 6 + [False] * 14
     validations = [r for r in records if r["kind"] == "validation"]
     assert len(validations) == 1 and validations[0]["step"] == 20 and validations[0]["val_loss"] < losses[0]
     assert sorted(p.name for p in out.glob("ckpt-*.pt")) == ["ckpt-000010.pt", "ckpt-000020.pt"]
@@ -72,9 +46,9 @@ def test_loss_falls_and_checkpoints_are_written(full_run):
 
 def test_resume_reproduces_the_run_bit_for_bit(full_run, corpus, tmp_path):
     out, records = full_run
-    resumed = _train(corpus, tmp_path, "--resume", str(out / "ckpt-000010.pt"))
-    expected = [(r["step"], r["loss"], r["index_kl"], r["grad_norm"]) for r in _steps(records)[10:]]
-    assert [(r["step"], r["loss"], r["index_kl"], r["grad_norm"]) for r in _steps(resumed)] == expected
+    resumed = train(ARGS, corpus, tmp_path, "--resume", str(out / "ckpt-000010.pt"))
+    expected = [(r["step"], r["loss"], r["index_kl"], r["grad_norm"]) for r in steps(records)[10:]]
+    assert [(r["step"], r["loss"], r["index_kl"], r["grad_norm"]) for r in steps(resumed)] == expected
     final = torch.load(out / "ckpt-000020.pt", weights_only=False)["model"]
     again = torch.load(tmp_path / "ckpt-000020.pt", weights_only=False)["model"]
     assert all(torch.equal(final[k], again[k]) for k in final)
@@ -84,7 +58,7 @@ def test_resume_refuses_other_options(full_run, corpus, tmp_path):
     out, _ = full_run
     args = ["train", *ARGS, "--corpus", str(corpus), "--out", str(tmp_path), "--resume", str(out / "ckpt-000010.pt"),
             "--lr", "5e-3"]
-    result = _invoke(args)
+    result = invoke(args)
     assert result.exit_code != 0 and "lr=0.01" in result.output
 
 
@@ -141,7 +115,7 @@ def test_convert_writes_a_training_checkpoint_as_a_model_directory(full_run, tmp
     """`dsv41 convert ckpt.pt DIR`: the directory loads as the release layout, and its model is the
     checkpoint's `inference_model` bit for bit (the quality numbers of training are the served ones)."""
     out, _ = full_run
-    result = _invoke(["convert", str(out / "ckpt-000020.pt"), str(tmp_path / "m")])
+    result = invoke(["convert", str(out / "ckpt-000020.pt"), str(tmp_path / "m")])
     assert result.exit_code == 0, result.output
     loaded, _ = load_model(tmp_path / "m")
     trained, _, _, step = load_trained(out / "ckpt-000020.pt")
@@ -153,6 +127,6 @@ def test_convert_writes_a_training_checkpoint_as_a_model_directory(full_run, tmp
         assert torch.equal(served(ids).logits, loaded.eval()(ids).logits)
     bad = tmp_path / "not-a-checkpoint.pt"
     bad.write_bytes(b"garbage")
-    result = _invoke(["convert", str(bad), str(tmp_path / "n")])
+    result = invoke(["convert", str(bad), str(tmp_path / "n")])
     assert result.exit_code == 1 and "is not a dsv41 training checkpoint" in result.output
     assert not (tmp_path / "n").exists()
