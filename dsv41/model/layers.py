@@ -90,8 +90,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        mean_square = numerics.wide(xf).square().mean(-1, keepdim=True).float()
-        xf = xf * numerics.elementwise(torch.rsqrt, mean_square + self.eps)
+        mean_square = numerics.mean(numerics.wide(xf).square(), -1).float()
+        xf = xf * numerics.elementwise(torch.rsqrt, mean_square + numerics.scalar(self.eps))
         return (self.weight * xf).to(x.dtype)
 
 

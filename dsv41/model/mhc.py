@@ -18,8 +18,9 @@ def sinkhorn_split(
     """Split raw mixes [..., (2+hc)*hc] into pre [..., hc], post [..., hc] and a doubly stochastic
     comb [..., hc, hc] (rows i = source copy, cols j = destination copy), all fp32."""
     m, scale, base = mixes.float(), scale.float(), base.float()
+    eps, two = numerics.scalar(eps), numerics.scalar(2.0)
     pre = numerics.elementwise(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * numerics.elementwise(torch.sigmoid, m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    post = two * numerics.elementwise(torch.sigmoid, m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
     comb = numerics.elementwise(torch.exp, logits - logits.amax(dim=-1, keepdim=True))
     comb = comb / comb.sum(dim=-1, keepdim=True) + eps
@@ -37,7 +38,8 @@ def predict(
     """Coefficients from the stream x [b, s, hc, d]: one RMS statistic over all hc*d values of a
     token, projected by fn [(2+hc)*hc, hc*d] (norm weights are folded into fn), then split."""
     flat = x.flatten(2).float()
-    rsqrt = numerics.elementwise(torch.rsqrt, numerics.wide(flat).square().mean(-1, keepdim=True).float() + norm_eps)
+    mean_square = numerics.mean(numerics.wide(flat).square(), -1).float()
+    rsqrt = numerics.elementwise(torch.rsqrt, mean_square + numerics.scalar(norm_eps))
     return sinkhorn_split(numerics.linear(flat, fn) * rsqrt, scale, base, hc, iters, hc_eps)
 
 

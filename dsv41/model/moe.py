@@ -41,8 +41,8 @@ class Gate(nn.Module):
         ids = (scores + bias).topk(self.topk, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.topk > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.route_scale, ids
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + numerics.scalar(1e-20))
+        return weights * numerics.scalar(self.route_scale), ids
 
 
 class Expert(nn.Module):
@@ -92,9 +92,13 @@ class MoE(nn.Module):
             routing.update(gate_indices=ids, gate_weights=weights)
         y = torch.zeros_like(x, dtype=torch.float32)
         quantized = quantize_rows(x) if self.shared_experts.w1.scale is not None else None
-        for e in torch.unique(ids).tolist():
-            rows, slot = torch.where(ids == e)
-            picked = None if quantized is None else (quantized[0][rows], quantized[1][rows])
-            y[rows] += self.experts[e](x[rows], weights[rows, slot, None], picked)
+        if x.size(0) == 1:  # a decode step: every chosen expert takes the one row, no gathers
+            for e, slot in sorted((e, slot) for slot, e in enumerate(ids[0].tolist())):
+                y += self.experts[e](x, weights[:, slot, None], quantized)
+        else:
+            for e in torch.unique(ids).tolist():
+                rows, slot = torch.where(ids == e)
+                picked = None if quantized is None else (quantized[0][rows], quantized[1][rows])
+                y[rows] += self.experts[e](x[rows], weights[rows, slot, None], picked)
         y += self.shared_experts(x, quantized=quantized)
         return y.type_as(x).view(shape)

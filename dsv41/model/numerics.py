@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,24 @@ def stable_numerics(on: bool = True) -> Iterator[None]:
 def is_stable() -> bool:
     """Whether shape-stable numerics are on (callers that lay out work by shape ask this)."""
     return _stable
+
+
+@cache
+def scalar(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`value` as a 0-dim tensor, made once. Torch wraps a Python number operand in a tensor and
+    converts it to the other operand's dtype on every call (four extra operator calls, the largest
+    share of a small op's cost); a 0-dim tensor of that dtype gives the same result without them.
+    Use it only with operands of `dtype`: beside another dtype it would promote differently."""
+    with torch.inference_mode(False):  # usable where autograd records too
+        return torch.tensor(value, dtype=dtype)
+
+
+def mean(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t.mean(dim, keepdim=True). On the CPU torch computes an fp32/fp64 mean as the sum divided by
+    the count, which this does without the Python-number divisor; elsewhere it is torch's mean."""
+    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64):
+        return t.mean(dim, keepdim=True)
+    return t.sum(dim, keepdim=True).div_(scalar(t.size(dim), t.dtype))
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ def _groups(x: torch.Tensor, block: int) -> torch.Tensor:
 
 _FP8_RECIPROCAL = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)
 _FP32_MANTISSA, _FP32_EXPONENT = 0x7FFFFF, 0x7F800000
+_INF = torch.tensor(float("inf"), dtype=torch.float32)
 
 
 def fp8_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,14 +70,19 @@ def fp8_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Ten
     clamped to >= 1e-4 and finite, so amax / 448 is a normal fp32 far inside E8M0's range and its
     power-of-two ceiling is one add and mask on the bits; the scaled values are within ±448 (±inf
     elements clamp there), so torch's saturating-free float8 cast rounds them as `to_e4m3` does.
-    A NaN element takes the general path (its code keeps its sign there)."""
+    A NaN element takes the general path (its code keeps its sign there); only a block with a NaN
+    or inf pays for the finite-only amax."""
     groups = _groups(x, block)
-    amax = _finite_amax(groups).clamp_min(1e-4)
-    if groups.isnan().any():
-        scale = pow2_scale_up(amax, FP8_MAX)
-        return to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2), scale
+    amax = groups.abs().amax(dim=-1)  # NaN or inf where a block holds one
+    if not (amax < _INF).all():  # (isfinite would cost four operators)
+        amax = _finite_amax(groups)
+        if groups.isnan().any():
+            scale = pow2_scale_up(amax.clamp_min(1e-4), FP8_MAX)
+            return to_e4m3(groups / scale.unsqueeze(-1)).flatten(-2), scale
+    amax = amax.clamp_min(1e-4)
     ratio = (amax * _FP8_RECIPROCAL).view(torch.int32)
-    scale = ((ratio + _FP32_MANTISSA) & _FP32_EXPONENT).view(torch.float32)
+    mantissa, exponent = numerics.scalar(_FP32_MANTISSA, torch.int32), numerics.scalar(_FP32_EXPONENT, torch.int32)
+    scale = ((ratio + mantissa) & exponent).view(torch.float32)
     values = (groups / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return values.flatten(-2), scale
 
@@ -141,9 +147,10 @@ def block_scaled_matmul(
     # every block's (partial * a_scale) * w_scale at once, then the blocks added in K order from +0
     # (a loop of in-place adds: a cumsum or sum would accumulate in another order or in double)
     scaled = partials.mul_(a_scale.t().unsqueeze(-1)).mul_(w_scale.t().unsqueeze(1))
-    acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
-    for i in range(nk):
-        acc.add_(scaled[i])
+    first, *rest = scaled.unbind(0)
+    acc = first + numerics.scalar(0.0)  # +0 + first, as a sum from +0 starts (x + 0 == 0 + x, -0 included)
+    for part in rest:
+        acc.add_(part)
     return acc
 
 

@@ -1,0 +1,38 @@
+"""The dispatch shortcuts of the decode path give the bits of the plain torch expressions."""
+
+import pytest
+import torch
+
+from dsv41.model import numerics
+from dsv41.model.quant import block_scaled_matmul
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_constant_tensors_and_mean_equal_the_python_number_forms(rng, dtype):
+    x = (torch.randn(3, 5, 37, generator=rng) * torch.exp(torch.randn(3, 5, 37, generator=rng) * 4)).to(dtype)
+    x[0, 0, :5] = -0.0
+    for value in (1e-6, 1e-20, 2.0, 2.5, 3e-38):
+        assert torch.equal(_bits(x + numerics.scalar(value, dtype)), _bits(x + value))
+        assert torch.equal(_bits(x * numerics.scalar(value, dtype)), _bits(x * value))
+        assert torch.equal(_bits(x / (x.abs() + numerics.scalar(value, dtype))), _bits(x / (x.abs() + value)))
+    for dim in (-1, 1):
+        assert torch.equal(_bits(numerics.mean(x, dim)), _bits(x.mean(dim, keepdim=True)))
+
+
+def test_block_scaled_matmul_adds_the_blocks_in_order_from_plus_zero(rng):
+    """The loop it replaced: a zeroed fp32 accumulator, then every block's scaled partial in K order."""
+    for m, n, nk in [(1, 1, 1), (1, 192, 6), (3, 37, 9), (5, 8, 17)]:
+        a, w = torch.randn(m, nk * 32, generator=rng), torch.randn(n, nk * 32, generator=rng)
+        a[0] = -0.0  # a row of -0 partials: the sum from +0 gives +0
+        a_scale = torch.exp2(torch.randint(-6, 6, (m, nk), generator=rng).float())
+        w_scale = torch.exp2(torch.randint(-6, 6, (n, nk), generator=rng).float())
+        partials = torch.bmm(a.view(m, nk, 32).transpose(0, 1), w.view(n, nk, 32).permute(1, 2, 0))
+        scaled = partials * a_scale.t().unsqueeze(-1) * w_scale.t().unsqueeze(1)
+        want = torch.zeros(m, n)
+        for i in range(nk):
+            want.add_(scaled[i])
+        assert torch.equal(_bits(block_scaled_matmul(a, a_scale, w, w_scale)), _bits(want))
