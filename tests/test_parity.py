@@ -120,3 +120,16 @@ def test_parity_holds_under_other_instruction_sets(setting):
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["failed"] == [] and summary["not_exact_choices"] == []
     assert summary["max_rel"] <= FLOAT_TOLERANCE
+
+
+def test_compiled_mhc_keeps_every_choice_and_the_float_policy():
+    """DSV41_FAST_MHC=1 compiles the Sinkhorn, whose sums then run in inductor's order: the golden
+    data's choices (argmax, experts, Top-k) and quantized values stay exact, so greedy tokens are the
+    official ones, and the floats stay within the policy."""
+    env = {**os.environ, "DSV41_FAST_MHC": "1"}
+    code = _SUMMARY.format(golden=str(GOLDEN), keys=DISCRETE_OR_QUANTIZED)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["failed"] == [] and summary["not_exact_choices"] == []
+    assert summary["max_rel"] <= FLOAT_TOLERANCE

@@ -7,6 +7,9 @@ one-step shift is what lets the real kernels fuse update, collapse and predictio
 
 from __future__ import annotations
 
+import os
+from functools import cache
+
 import torch
 
 from dsv41.model import numerics
@@ -16,9 +19,35 @@ def sinkhorn_split(
     mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split raw mixes [..., (2+hc)*hc] into pre [..., hc], post [..., hc] and a doubly stochastic
-    comb [..., hc, hc] (rows i = source copy, cols j = destination copy), all fp32."""
+    comb [..., hc, hc] (rows i = source copy, cols j = destination copy), all fp32.
+
+    With DSV41_FAST_MHC=1 an inference call (no autograd, official numerics) runs it compiled
+    (`torch.compile`, inductor): about 120 small operators become one kernel, and comb moves by
+    a few fp32 ulps (docs/performance.md)."""
+    args = (mixes, scale, base, numerics.scalar(eps), numerics.scalar(2.0), hc, iters)
+    if fast_mhc() and not torch.is_grad_enabled() and not numerics.is_stable():
+        return _compiled_split()(*args)
+    return _split(*args)
+
+
+def fast_mhc() -> bool:
+    """Whether DSV41_FAST_MHC asks for the compiled Sinkhorn (off by default)."""
+    choice = os.environ.get("DSV41_FAST_MHC", "0")
+    if choice not in ("0", "1"):
+        raise ValueError(f"DSV41_FAST_MHC={choice!r}: use 0 (reference numerics) or 1 (compiled Sinkhorn)")
+    return choice == "1"
+
+
+@cache
+def _compiled_split():
+    return torch.compile(_split, fullgraph=True)
+
+
+def _split(
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: torch.Tensor, two: torch.Tensor,
+    hc: int, iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, scale, base = mixes.float(), scale.float(), base.float()
-    eps, two = numerics.scalar(eps), numerics.scalar(2.0)
     pre = numerics.elementwise(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc]) + eps
     post = two * numerics.elementwise(torch.sigmoid, m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
