@@ -9,6 +9,7 @@ from dsv41.engine.core import InferenceCore
 from dsv41.engine.speculative import SpecStats, greedy_speculative
 from dsv41.model.dspark import Drafter, build_dspark
 from dsv41.model.numerics import stable_numerics
+from dsv41.model.pages import PagePools
 from dsv41.model.random_init import init_random
 from dsv41.model.reference import random_model
 
@@ -126,7 +127,9 @@ def test_speculative_sampling_reproduces_the_target_distribution():
 
 def _cache_state(seq) -> dict:
     cache = seq.cache
-    out = {"length": cache.length, "pages": cache.pages_in_use(), "ids": cache.ids[:, : cache.length].clone()}
+    out = {"length": cache.length, "pages": cache.pages_in_use(), "ids": cache.ids[:, : cache.length].clone(),
+           "live": cache.live[:, : cache.length].clone(), "slot": cache.index_k_slot,
+           "pages_in_use": seq.counters.pages_in_use}
     for layer, ring in cache.windows.items():
         out[f"ring{layer}"] = ring.data.clone()
     for layer, group in cache.groups.items():
@@ -163,3 +166,93 @@ def test_rollback_of_a_rejected_block_leaves_caches_bit_identical_to_never_draft
             core.release(drafted)
             core.release(plain)
     assert core.pages_in_use == 0
+
+
+def _assert_same_caches(got, want, label: str) -> None:
+    want, got = _cache_state(want), _cache_state(got)
+    assert want.keys() == got.keys()
+    for key in want:
+        a, b = torch.as_tensor(got[key] if got[key] is not None else -1), torch.as_tensor(
+            want[key] if want[key] is not None else -1)
+        assert torch.equal(a, b), f"{label}: {key} differs"
+
+
+def _truncation_matches_stepping_the_accepted_tokens(model, prompt_lens, block_len, gen, page_entries):
+    """For each prompt and each accepted count n (0 .. block_len-1): a step of the whole block cut
+    back to its first n+1 tokens leaves every cache as a step of only those tokens does."""
+    core = InferenceCore(model, pools=PagePools(page_entries=page_entries))
+    vocab = model.config.text_config.vocab_size
+    for n_prompt in prompt_lens:
+        prompt = torch.randint(3, vocab, (n_prompt,), generator=gen).tolist()
+        block = torch.randint(3, vocab, (block_len,), generator=gen).tolist()
+        drafted, _ = core.prefill(prompt, mode="full")
+        plain, _ = core.prefill(prompt, mode="full")
+        for n in range(block_len - 1):
+            saved = core.checkpoint(drafted)
+            logits = core.step(drafted, block)
+            core.truncate(drafted, saved, n_prompt + n + 1)
+            before = core.checkpoint(plain)
+            want_logits = core.step(plain, block[: n + 1])
+            assert torch.equal(logits[: n + 1], want_logits)
+            _assert_same_caches(drafted, plain, f"prompt {n_prompt}, {n + 1} of {block_len} kept")
+            core.rollback(drafted, saved)
+            core.rollback(plain, before)
+        core.release(drafted)
+        core.release(plain)
+    assert core.pages_in_use == 0
+
+
+@pytest.fixture(scope="module")
+def micro():
+    return random_model("micro", seed=6)
+
+
+def test_truncating_a_verification_step_equals_stepping_only_the_accepted_tokens(micro):
+    """micro: ratio-2 compressor groups (odd and even starts, so blocks begin mid-group and cross
+    group boundaries), pages of 4 entries (blocks cross page boundaries of both groups), blocks of
+    6 tokens in a window of 8 (ring slots wrap)."""
+    with stable_numerics():
+        _truncation_matches_stepping_the_accepted_tokens(micro, (5, 30), 6, torch.Generator().manual_seed(14), 4)
+
+
+@pytest.mark.slow
+def test_truncation_on_mini():
+    """mini: three ratio-2 groups in the encoder, a ratio-1 group in the decoder, a 128-slot window."""
+    model = random_model("mini", seed=7)
+    with stable_numerics():
+        _truncation_matches_stepping_the_accepted_tokens(model, (37, 126), 6, torch.Generator().manual_seed(15), 64)
+
+
+def test_a_truncated_step_keeps_decoding_like_plain_decoding(micro):
+    """After truncations, later steps (more verification blocks, a one-token step) go on exactly as
+    on a sequence that only ever stepped the accepted tokens."""
+    core = InferenceCore(micro, pools=PagePools(page_entries=4))
+    vocab = micro.config.text_config.vocab_size
+    gen = torch.Generator().manual_seed(16)
+    with stable_numerics():
+        prompt = torch.randint(3, vocab, (11,), generator=gen).tolist()
+        drafted, _ = core.prefill(prompt, mode="full")
+        plain, _ = core.prefill(prompt, mode="full")
+        for kept in (1, 4, 2):
+            block = torch.randint(3, vocab, (5,), generator=gen).tolist()
+            saved = core.checkpoint(drafted)
+            core.step(drafted, block)
+            core.truncate(drafted, saved, drafted.cache.length - 5 + kept)
+            core.step(plain, block[:kept])
+        last = torch.randint(3, vocab, (1,), generator=gen).tolist()
+        assert torch.equal(core.step(drafted, last), core.step(plain, last))
+        _assert_same_caches(drafted, plain, "after three truncated blocks")
+        core.release(drafted)
+        core.release(plain)
+    assert core.pages_in_use == 0
+
+
+def test_truncate_refuses_lengths_outside_the_step(micro):
+    core = InferenceCore(micro)
+    seq, _ = core.prefill([5, 6, 7], mode="full")
+    saved = core.checkpoint(seq)
+    core.step(seq, [8, 9, 10])
+    for bad in (2, 7):
+        with pytest.raises(ValueError, match="cannot truncate"):
+            core.truncate(seq, saved, bad)
+    core.release(seq)

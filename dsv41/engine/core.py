@@ -27,6 +27,7 @@ from dsv41.model.cache import (
     import_blocks,
     restore,
     restore_encoder_rings,
+    truncate,
 )
 from dsv41.model.pages import PagePools
 from dsv41.model.rope import table_for
@@ -424,6 +425,16 @@ class InferenceCore:
     @torch.inference_mode()
     def rollback(seq: Sequence, saved) -> None:
         restore(seq.cache, saved)
+        seq.count_pages()
+
+    @staticmethod
+    @torch.inference_mode()
+    def truncate(seq: Sequence, saved, length: int) -> None:
+        """Keep only the first `length` positions of the step taken after checkpoint `saved` (the
+        accepted part of a verification step), without running anything again: every cache then
+        holds what a step of only those positions leaves (bit for bit in shape-stable numerics).
+        The hidden rows and logits of the kept positions are the step's own rows."""
+        truncate(seq.cache, saved, length)
         seq.count_pages()
 
     @staticmethod

@@ -2,10 +2,10 @@
 
 Each round: the drafter proposes a block after the last chosen token; the backbone verifies the
 token and the drafts in one multi-token step; the longest prefix of drafts equal to the target's
-argmax is accepted, plus the target's next token. When a draft is rejected the caches go back to
-the checkpoint taken before the step and the accepted tokens are run again, so the caches hold
-exactly what plain decoding of the accepted tokens leaves (no rejected position in any ring,
-compressor state or page). The drafter's rings take only accepted positions.
+argmax is accepted, plus the target's next token. When a draft is rejected the step is truncated in
+place to the accepted positions (`InferenceCore.truncate`), so the caches hold exactly what plain
+decoding of the accepted tokens leaves (no rejected position in any ring, compressor state or page)
+without running anything again. The drafter's rings take only accepted positions.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def greedy_speculative(core: InferenceCore, drafter: Drafter, prompt: list[int],
             targets = logits.argmax(-1).tolist()
             n = len(accept_greedy(targets, drafts, stop_ids)) - 1
             if n < len(drafts):
-                core.rollback(seq, saved)
-                logits, hidden = _run(core, seq, [out[-1], *drafts[:n]])
+                core.truncate(seq, saved, seq.cache.length - len(drafts) + n)
+                hidden = hidden[: n + 1]
             stats.verifications += 1
             stats.accepted.append(n)
             out += drafts[:n] + [targets[n]]

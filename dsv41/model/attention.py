@@ -141,6 +141,8 @@ class Compressor(nn.Module):
         m = self.ratio
         xf = x.float()
         kv, gate = self.wkv(xf), self.wgate(xf)
+        if state is not None:  # kept so that a truncated step can rebuild the partial group
+            state.step_rows = (start, kv, gate)
         if start == 0:
             complete = x.size(1) - x.size(1) % m
             if state is not None and complete < x.size(1):

@@ -66,6 +66,9 @@ class GroupCache:
     index_k: PagedEntries
     kv_state: torch.Tensor | None  # [b, m, head_dim] fp32, ratio > 1 only
     score_state: torch.Tensor | None  # [b, m, head_dim] fp32, -inf until written
+    # (start, kv, gate) of the compressor's last forward on this group: its fp32 rows [b, s, head_dim]
+    # of positions start.., what `truncate` rebuilds the partial group from
+    step_rows: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
 
 def _ratio(group: GroupCache) -> int:
@@ -177,6 +180,66 @@ def restore(cache: DecodeCache, saved: CacheCheckpoint) -> None:
     for layer, (kv, score) in saved.states.items():
         cache.groups[layer].kv_state.copy_(kv)
         cache.groups[layer].score_state.copy_(score)
+
+
+def truncate(cache: DecodeCache, saved: CacheCheckpoint, length: int) -> None:
+    """Cut the step run since `saved` (positions saved.length..cache.length-1) back to its first
+    `length` positions in place, as if only those had been stepped: the ring slots of the dropped
+    positions get the checkpoint's contents back, each compressor's partial group is rebuilt from
+    the checkpoint's state and the step's rows of the kept positions, global entries and pages past
+    `length` are dropped. Needs the step to be the last one and no longer than the window (so no
+    kept position shares a ring slot with a dropped one)."""
+    start, end = saved.length, cache.length
+    if not start <= length <= end:
+        raise ValueError(f"cannot truncate a step of positions {start}..{end - 1} to length {length}")
+    window = next(iter(saved.rings.values())).size(1) if saved.rings else end - start
+    if end - start > window:
+        raise ValueError(f"a step of {end - start} positions is longer than the window of {window}")
+    slots = torch.arange(length, end) % max(window, 1)
+    for layer, ring in saved.rings.items():
+        cache.windows[layer].data[:, slots] = ring[:, slots]
+    for layer, (kv, score) in saved.states.items():
+        _truncate_partial(cache.groups[layer], kv, score, start, length - start)
+    cache.index_k_slot = _slot_after(cache, saved.index_k_slot, start, length)
+    cache.length = length
+    cache.keep_pages_for(length)
+
+
+def _truncate_partial(group: GroupCache, kv: torch.Tensor, score: torch.Tensor, start: int, kept: int) -> None:
+    """The partial-group state after the first `kept` rows of the group's last step from `start`."""
+    group.kv_state.copy_(kv)
+    group.score_state.copy_(score)
+    if kept == 0:
+        return
+    first, rows_kv, rows_gate = group.step_rows
+    if first != start or rows_kv.size(1) < kept:
+        raise ValueError(f"the compressor's last rows ({rows_kv.size(1)} from position {first}) do not hold the "
+                         f"{kept} kept positions from {start}: truncate right after the step")
+    advance_partial(group, start, rows_kv[:, :kept], rows_gate[:, :kept])
+
+
+def advance_partial(group: GroupCache, start: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
+    """Write compressor rows kv, gate [b, s, head_dim] of positions start.. into the partial-group
+    state as `Compressor.forward` does: a one-token step after position 0 its slot, any other
+    step the tail of its last group (the pending rows of the state first)."""
+    m, pending = _ratio(group), start % _ratio(group)
+    if start and kv.size(1) == 1:
+        group.kv_state[:, pending], group.score_state[:, pending] = kv[:, 0], gate[:, 0]
+        return
+    kv = torch.cat([group.kv_state[:, :pending], kv], dim=1)
+    gate = torch.cat([group.score_state[:, :pending], gate], dim=1)
+    tail = kv.size(1) % m
+    if tail:
+        group.kv_state[:, :tail] = kv[:, kv.size(1) - tail :]
+        group.score_state[:, :tail] = gate[:, gate.size(1) - tail :]
+
+
+def _slot_after(cache: DecodeCache, saved_slot: int | None, start: int, length: int) -> int | None:
+    """The shared index-key slot after stepping positions start..length-1: the last group (layers
+    run in id order) that emitted an entry among them, else the slot before the step."""
+    emitted = [layer for layer, group in cache.groups.items()
+               if length // _ratio(group) > start // _ratio(group)]
+    return max(emitted) if emitted else saved_slot
 
 
 def _groups_in_order(cache: DecodeCache) -> list[tuple[int, GroupCache]]:
