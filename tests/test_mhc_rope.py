@@ -3,6 +3,7 @@ from safetensors.torch import load_file
 
 from dsv41.config import Rope, load_config
 from dsv41.model import mhc, rope
+from dsv41.parity import compare
 
 from .conftest import GOLDEN
 
@@ -32,7 +33,9 @@ def test_sinkhorn_columns_always_sum_to_one_and_skewed_rows_need_more_iterations
 def test_sinkhorn_matches_official_golden():
     u = load_file(GOLDEN / "units.safetensors")
     pre, post, comb = mhc.sinkhorn_split(u["hc.mixes"], u["hc.scale"], u["hc.base"], 4, 20, 1e-6)
-    assert torch.equal(pre, u["hc.pre"]) and torch.equal(post, u["hc.post"]) and torch.equal(comb, u["hc.comb"])
+    # floats within the parity policy: the sigmoid's vector code differs in the last bit between CPUs
+    rows = [compare("hc", name, got, u[f"hc.{name}"]) for name, got in (("pre", pre), ("post", post), ("comb", comb))]
+    assert all(r.passed and r.max_ulp <= 4 for r in rows), rows
 
 
 def test_collapse_and_expand_follow_the_transposed_comb(rng):
