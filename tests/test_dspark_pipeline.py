@@ -143,7 +143,7 @@ def test_auto_scheduler_equals_plain_decoding_and_alone(root, plain):
     """The auto scheduler (cost curve measured at start-up) on the first 20 requests (none of them a
     prefix hit in the oracle), all at once and one at a time."""
     requests, want = plain
-    with pipeline(root, "auto") as supervisor:  # the mode left unset: auto, since the model has a drafter
+    with pipeline(root, "auto", mode="auto") as supervisor:
         together = run_all(supervisor, requests[:20])
         alone = one_by_one(supervisor, requests[:6])
         counters = dspark_counters(supervisor)
@@ -243,7 +243,8 @@ def test_a_drafter_mode_without_a_drafter_is_refused_and_off_is_the_default(root
     assert dspark_component._speculation(context(None))[1] == "off"
     with pytest.raises(ValueError, match="no DSpark drafter"):
         dspark_component._speculation(context(None, mode="fixed"))
-    drafter, mode, length = dspark_component._speculation(context(str(root / "model"), length=9))
+    assert dspark_component._speculation(context(str(root / "model")))[:2] == (None, "off")  # opt-in
+    drafter, mode, length = dspark_component._speculation(context(str(root / "model"), mode="auto", length=9))
     assert drafter is not None and mode == "auto" and length == BLOCK  # capped at the block size
 
 

@@ -579,13 +579,14 @@ class DSparkComponent(Component):
 
 def _speculation(context: ComponentContext) -> tuple[Drafter | None, str, int]:
     """The drafter, the scheduling mode and the most drafts per step, from the dspark options and
-    the model directory: `mode` unset is auto when the directory holds a drafter, else off."""
+    the model directory: `mode` unset is off. Speculation is opt-in while the component's rollback
+    re-runs the accepted tokens: on the default model it decodes slower than plain steps."""
     from dsv41.checkpoint import weight_files
 
     mode, length = context.option("dspark", "mode", None), context.option("dspark", "length", None)
     files = weight_files(context.checkpoint_dir) if context.checkpoint_dir is not None else []
     found = bool(files) and has_drafter(files)
-    mode = mode or ("auto" if found else "off")
+    mode = mode or "off"
     if mode == "off":
         return None, "off", 0
     if not found:
