@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 from dsv41.checkpoint import load_model, open_model_dir, resolve_model_dir, weight_files
 from dsv41.engine.core import InferenceCore
 from dsv41.engine.dspark_scheduler import choose_lengths, prefix_survival
-from dsv41.engine.speculative import SpecStats, greedy_speculative
+from dsv41.engine.speculative import SpecStats, greedy_speculative, plain_greedy
 from dsv41.model.dspark import Drafter, has_drafter, load_dspark, new_state
 from dsv41.training.data import _tokens, split_text
 
@@ -78,15 +78,6 @@ class TimedDrafter:
         return out
 
 
-def plain(core: InferenceCore, prompt: list[int], n: int) -> list[int]:
-    seq, logits = core.prefill(prompt, mode="full")
-    out = [int(logits.argmax())]
-    while len(out) < n:
-        out.append(int(core.step(seq, [out[-1]])[-1].argmax()))
-    core.release(seq)
-    return out
-
-
 def timed(fn):
     c0, w0 = time.process_time(), time.perf_counter()
     value = fn()
@@ -111,7 +102,7 @@ def decode_runs(core, drafter, prompts, n_new: int) -> dict:
     continuations = []
     for prompt in prompts:
         pre = prefill_seconds(core, prompt)
-        reference, cpu, wall = timed(lambda p=prompt: plain(core, p, n_new))
+        reference, cpu, wall = timed(lambda p=prompt: plain_greedy(core, p, n_new))
         rows["plain"]["cpu"] += cpu - pre
         rows["plain"]["wall"] += wall - pre
         rows["plain"]["tokens"] += len(reference)

@@ -38,3 +38,11 @@ def root():
     path = short_dir()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small training corpus file (the first 20,000 characters of the Shakespeare text)."""
+    from tests.helpers.training import corpus_slice
+
+    return corpus_slice(tmp_path_factory.mktemp("corpus"))

@@ -6,21 +6,12 @@ import pytest
 import torch
 
 from dsv41.engine.core import InferenceCore
-from dsv41.engine.speculative import SpecStats, greedy_speculative
+from dsv41.engine.speculative import SpecStats, greedy_speculative, plain_greedy
 from dsv41.model.dspark import Drafter, build_dspark
 from dsv41.model.numerics import stable_numerics
 from dsv41.model.pages import PagePools
 from dsv41.model.random_init import init_random
 from dsv41.model.reference import random_model
-
-
-def _plain(core: InferenceCore, prompt: list[int], n: int) -> list[int]:
-    seq, logits = core.prefill(prompt, mode="full")
-    out = [int(logits.argmax())]
-    while len(out) < n:
-        out.append(int(core.step(seq, [out[-1]])[-1].argmax()))
-    core.release(seq)
-    return out
 
 
 def test_greedy_speculative_output_equals_plain_decoding():
@@ -33,7 +24,7 @@ def test_greedy_speculative_output_equals_plain_decoding():
             prompt = torch.randint(3, model.config.text_config.vocab_size, (n_prompt,), generator=gen).tolist()
             stats = SpecStats()
             got = greedy_speculative(core, drafter, prompt, n_new, length, stats=stats)
-            assert got == _plain(core, prompt, n_new)
+            assert got == plain_greedy(core, prompt, n_new)
             assert stats.verifications > 0
     assert core.pages_in_use == 0
 
@@ -69,7 +60,7 @@ def test_accepted_drafts_max_length_and_eos_inside_a_block():
     gen = torch.Generator().manual_seed(12)
     with stable_numerics():
         prompt = torch.randint(3, vocab, (17,), generator=gen).tolist()
-        truth = _plain(core, prompt, 18)
+        truth = plain_greedy(core, prompt, 18)
         for wrong, n_new, most in ((100, 18, 4), (3, 17, 2)):
             stats = SpecStats()
             drafter = _KnownDrafter(truth, len(prompt), 4, wrong, vocab)

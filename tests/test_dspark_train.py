@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from dsv41.checkpoint import load_model, open_model_dir, resolve_model_dir, weight_files
 from dsv41.engine.core import InferenceCore
-from dsv41.engine.speculative import SpecStats, greedy_speculative
+from dsv41.engine.speculative import SpecStats, greedy_speculative, plain_greedy
 from dsv41.export import export_model
 from dsv41.model.dspark import Drafter, has_drafter, load_dspark, new_state
 from dsv41.model.numerics import stable_numerics
@@ -30,16 +30,11 @@ from dsv41.training.dspark import (
     served_drafter,
     write_drafter,
 )
-from tests.helpers.training import corpus_slice, steps, train
+from tests.helpers.training import steps, train
 
 ARGS = ["--dspark", "--config", "micro", "--seq-len", "32", "--prompt-len", "10", "--batch", "2",
         "--samples", "4", "--val-samples", "2", "--anchors", "6", "--lr", "1e-2", "--warmup", "2",
         "--threads", "1"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return corpus_slice(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
@@ -173,15 +168,6 @@ def test_write_drafter_keeps_every_backbone_tensor(micro, tmp_path):
     assert all(torch.equal(loaded[k], served[k]) for k in served)
 
 
-def _plain(core: InferenceCore, prompt: list[int], n: int) -> list[int]:
-    seq, logits = core.prefill(prompt, mode="full")
-    out = [int(logits.argmax())]
-    while len(out) < n:
-        out.append(int(core.step(seq, [out[-1]])[-1].argmax()))
-    core.release(seq)
-    return out
-
-
 def test_the_builtin_drafter_predicts_the_backbones_greedy_continuations():
     """One draft pass after each prompt: a trained drafter's tokens often equal what the backbone
     then decodes greedily (a random one over 4,096 tokens almost never does)."""
@@ -195,7 +181,7 @@ def test_the_builtin_drafter_predicts_the_backbones_greedy_continuations():
     for text in ("ROMEO:\nBut soft, what light through yonder window", "    def __init__(self, name):\n        self.",
                  "First Citizen:\nWe are accounted poor citizens"):
         prompt = [0, *tokenizer.encode(text).ids]
-        greedy = _plain(core, prompt, drafter.block)
+        greedy = plain_greedy(core, prompt, drafter.block)
         with torch.inference_mode():
             seq, _ = core.new_sequence(prompt, len(prompt) + 1)
             x, pre_mix = core.encode_tokens_batch([seq], [prompt])
@@ -222,7 +208,7 @@ def test_the_builtin_model_drafts_and_speculative_equals_plain_greedy():
     with stable_numerics():
         for prompt in prompts:
             stats = SpecStats()
-            assert greedy_speculative(core, drafter, prompt, 12, stats=stats) == _plain(core, prompt, 12)
+            assert greedy_speculative(core, drafter, prompt, 12, stats=stats) == plain_greedy(core, prompt, 12)
             accepted += stats.accepted
     assert core.pages_in_use == 0
     assert sum(accepted) > 0  # a trained drafter gets drafts accepted

@@ -16,15 +16,10 @@ from dsv41.training.export import load_trained
 from dsv41.training.indexer_loss import indexer_kl
 from dsv41.training.loop import new_model
 from dsv41.training.master import inference_model, to_training
-from tests.helpers.training import corpus_slice, invoke, steps, train
+from tests.helpers.training import invoke, steps, train
 
 ARGS = ["--config", "micro", "--seq-len", "32", "--batch", "2", "--steps", "20", "--lr", "1e-2",
         "--warmup", "2", "--dense-steps", "6", "--eval-batches", "1", "--threads", "1"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return corpus_slice(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,19 @@ def _run(core: InferenceCore, seq: Sequence, tokens: list[int]) -> tuple[torch.T
     return logits[0], hidden[0]
 
 
+def plain_greedy(core: InferenceCore, prompt: list[int], n: int) -> list[int]:
+    """n tokens of plain greedy decoding (a `full` prefill, then one-token steps): the output that
+    speculative decoding at temperature 0 must reproduce."""
+    seq, logits = core.prefill(prompt, mode="full")
+    out = [int(logits.argmax())]
+    try:
+        while len(out) < n:
+            out.append(int(core.step(seq, [out[-1]])[-1].argmax()))
+    finally:
+        core.release(seq)
+    return out
+
+
 @torch.inference_mode()
 def greedy_speculative(core: InferenceCore, drafter: Drafter, prompt: list[int], max_new_tokens: int,
                        length: int | None = None, stop_ids: tuple[int, ...] = (),

@@ -39,7 +39,7 @@ from dsv41.model.dspark import Drafter, DSpark, build_dspark, dspark_tensors, lo
 from dsv41.model.random_init import init_random
 from dsv41.model.transformer import Transformer
 from dsv41.training.data import Corpus, sample_batch
-from dsv41.training.loop import KEEP_CHECKPOINTS, RouterBalance, TrainOptions, learning_rate
+from dsv41.training.loop import KEEP_CHECKPOINTS, RouterBalance, TrainOptions, learning_rate, read_checkpoint
 from dsv41.training.master import inference_state, to_training
 
 DSPARK_FORMAT = "dsv41-dspark-train-1"
@@ -282,13 +282,7 @@ class DraftTrainer:
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # not a torch file, or one holding more than tensors and plain values
-        raise ValueError(f"{path} is not a DSpark training checkpoint: {exc}") from None
-    if not isinstance(state, dict) or state.get("format") != DSPARK_FORMAT:
-        raise ValueError(f"{path} is not a DSpark training checkpoint (format {DSPARK_FORMAT})")
-    return state
+    return read_checkpoint(path, DSPARK_FORMAT, "DSpark training")
 
 
 def _atomic_save(state: dict, path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import torch
 from tokenizers import Tokenizer
 
 from dsv41.checkpoint import GenerationConfig
@@ -14,18 +13,13 @@ from dsv41.config import ModelConfig, config_from_dict
 from dsv41.export import ModelDir, export_model
 from dsv41.model.engram import token_map_from_tokenizer
 from dsv41.model.transformer import Transformer, build_model
-from dsv41.training.loop import CHECKPOINT_FORMAT
+from dsv41.training.loop import CHECKPOINT_FORMAT, read_checkpoint
 from dsv41.training.master import inference_state, to_training
 
 
 def load_trained(path: str | Path) -> tuple[Transformer, ModelConfig, Tokenizer, int]:
     """The trainable model (fp32 masters, eval mode), its config and tokenizer, and its step."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # not a torch file, or one holding more than tensors and plain values
-        raise ValueError(f"{path} is not a dsv41 training checkpoint: {exc}") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a dsv41 training checkpoint (format {CHECKPOINT_FORMAT})")
+    state = read_checkpoint(path, CHECKPOINT_FORMAT, "dsv41 training")
     config = config_from_dict(state["config"])
     tokenizer = Tokenizer.from_str(state["tokenizer"])
     token_map, _ = token_map_from_tokenizer(tokenizer)

@@ -105,6 +105,18 @@ class StepResult:
     dense: bool
 
 
+def read_checkpoint(path: str | Path, fmt: str, what: str) -> dict:
+    """A checkpoint's state dict (tensors and plain values only: nothing is unpickled), refused
+    with a clear error when it is not a torch file or not of format `fmt`."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # not a torch file, or one holding more than tensors and plain values
+        raise ValueError(f"{path} is not a {what} checkpoint: {exc}") from None
+    if not isinstance(state, dict) or state.get("format") != fmt:
+        raise ValueError(f"{path} is not a {what} checkpoint (format {fmt})")
+    return state
+
+
 class Trainer:
     def __init__(self, config: ModelConfig, tokenizer: Tokenizer, corpus: Corpus, opts: TrainOptions,
                  out_dir: Path):
@@ -171,9 +183,7 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Continue from a checkpoint of a run with the same schedule options."""
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path} is not a dsv41 training checkpoint")
+        state = read_checkpoint(path, CHECKPOINT_FORMAT, "dsv41 training")
         saved = TrainOptions(**state["options"]).schedule()
         differing = sorted(k for k, v in self.opts.schedule().items() if saved[k] != v)
         if differing:
