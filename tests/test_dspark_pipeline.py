@@ -133,7 +133,7 @@ def test_fixed_length_speculative_decoding_equals_plain_decoding(root):
         assert done.generated_tokens == len(expected) and done.reason == plain_done.reason == m.FinishReason.LENGTH
         assert done.cached_tokens == plain_done.cached_tokens
     assert sum(done.cached_tokens > 0 for _, done in got) >= 2  # the prefix hits
-    assert counters["spec_drafts"] > 0 and counters["spec_rerun_tokens"] > 0  # drafts were verified and rolled back
+    assert counters["spec_drafts"] > 0 and counters["spec_rolled_back_tokens"] > 0  # drafts were verified and cut
     assert sum(d.verifications for _, d in got) == counters["spec_drafts"]
     assert sum(d.draft_tokens for _, d in got) == counters["spec_draft_tokens"]
     assert max(len(d.lengths) - 1 for _, d in got) == BLOCK
@@ -217,7 +217,7 @@ def test_accepted_blocks_stop_and_length_inside_a_block_and_batched_equals_alone
         assert tokens == tokens_alone == expect
         assert done.reason == (m.FinishReason.EOS if tokens[-1] == eos else m.FinishReason.LENGTH)
     assert counters["spec_accepted_pos_3"] > 0  # whole blocks accepted ...
-    assert counters["spec_rerun_tokens"] > 0  # ... and partial ones rolled back
+    assert counters["spec_rolled_back_tokens"] > 0  # ... and partial ones cut in place
     accepted = sum(d.accepted_tokens for _, d in together)
     verifications = sum(d.verifications for _, d in together)
     assert accepted / verifications > 1.5
@@ -279,9 +279,11 @@ def test_sampling_through_the_pipeline_is_reproducible(root):
 
 @pytest.mark.slow
 def test_rolling_back_a_batch_leaves_every_cache_as_plain_decoding(rng):
-    """Three sequences verify drafted blocks in one batched step (a checkpoint each), two are rolled
-    back to it and run their accepted tokens again, batched: every cache equals that of sequences
-    that only ever ran the accepted tokens."""
+    """Four sequences verify drafted blocks in one batched step (a checkpoint each); the next batched
+    step starts each one where the component puts it: after its accepted drafts (the verification
+    step is cut there in place), at its end (all accepted), or at the checkpoint (the whole step
+    rolled back and its first token run again). Every cache then equals that of sequences that only
+    ever stepped the kept tokens, then the next one."""
     model = random_model("micro", seed=6)
     core = InferenceCore(model)
     vocab = model.config.text_config.vocab_size
@@ -295,18 +297,21 @@ def test_rolling_back_a_batch_leaves_every_cache_as_plain_decoding(rng):
         core.decode_streams_batch(seqs, x, pre_mix, begin, [len(t) for t in tokens])
 
     with stable_numerics():
-        prompts = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in (13, 6, 18)]
+        prompts = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in (13, 6, 18, 9)]
         blocks = [torch.randint(3, vocab, (BLOCK + 1,), generator=rng).tolist() for _ in prompts]
-        kept = [1, BLOCK + 1, 3]  # tokens of each block that stay (the last token and accepted drafts)
+        following = torch.randint(3, vocab, (len(prompts),), generator=rng).tolist()
+        kept = [1, BLOCK + 1, 3, 0]  # tokens of each block that stay (0: the step is rolled back)
         drafted = [core.prefill(p, mode="full", capacity=40)[0] for p in prompts]
         plain = [core.prefill(p, mode="full", capacity=40)[0] for p in prompts]
         starts = [seq.cache.length for seq in drafted]
         step(drafted, blocks, verify=True)
-        again = [i for i, k in enumerate(kept) if k < BLOCK + 1]
-        step([drafted[i] for i in again], [blocks[i][: kept[i]] for i in again], [starts[i] for i in again])
-        step(plain, [b[:k] for b, k in zip(blocks, kept, strict=True)])
+        after = [[b[0]] if k == 0 else [t] for b, k, t in zip(blocks, kept, following, strict=True)]
+        step(drafted, after, [s + k for s, k in zip(starts, kept, strict=True)])
+        ran = [i for i, k in enumerate(kept) if k]
+        step([plain[i] for i in ran], [blocks[i][: kept[i]] for i in ran])
+        step(plain, after)
         with pytest.raises(ValueError, match="no checkpoint"):
-            rewind(drafted[0], starts[0])  # a rolled-back sequence holds no checkpoint any more
+            rewind(drafted[0], starts[0])  # a cut sequence holds no checkpoint any more
         for seq, ref in zip(drafted, plain, strict=True):
             want, got = _cache_state(ref), _cache_state(seq)
             assert want.keys() == got.keys()

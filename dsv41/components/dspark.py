@@ -6,9 +6,10 @@ DSpark drafter, this process holds the drafter (and the backbone's embedding and
 each round it drafts a block per request, the scheduler picks how many drafts each request
 verifies, the encoder and decoder verify them in one multi-token batched step (keeping a checkpoint),
 and the accepted prefix plus the target's next token are emitted (temperature 0: drafts equal to
-the argmax; above: the speculative-sampling rule). A request with rejected drafts is rolled back to
-the checkpoint in the encoder and decoder and its accepted tokens run again in a second batched
-step; the drafter's rings take the backbone states of accepted positions only. A request that
+the argmax; above: the speculative-sampling rule). A request with rejected drafts starts its next
+step at the position after its accepted ones: the encoder and decoder then cut the verification
+step in place to those positions (nothing runs again); the drafter's rings take the backbone
+states of accepted positions only. A request that
 fails anywhere gets one `Error` naming the component and the problem; its state elsewhere is
 released; other requests go on.
 
@@ -87,6 +88,7 @@ class Request:
     span_starts: list[int] = field(default_factory=list)
     text_from: int = 0  # the first position after the last image span (Engram rows are pushed from there)
     draft: DraftState | None = None  # the drafter's rings (speculative decoding)
+    resume: int = -1  # where the next step starts when drafts of the last one were rejected (-1: its end)
     spec: SpecStats = field(default_factory=SpecStats)
 
     @property
@@ -346,7 +348,6 @@ class DSparkComponent(Component):
         if no_pages and len(no_pages) == len(batch) and not self.prefilling:
             newest = max(no_pages, key=lambda r: r.started)
             no_pages = [r for r in no_pages if r is not newest]
-        reruns = []
         for request in batch:
             try:
                 if request in no_pages:  # stepped again next round, at the same position
@@ -359,15 +360,11 @@ class DSparkComponent(Component):
                 request.tail = tails[request.internal_id]
                 rid = request.internal_id
                 if rid in plans:
-                    rerun = self._accept(request, plans[rid], logits[rid], hidden.get(rid))
-                    if rerun is not None:
-                        reruns.append((request, rerun))
+                    self._accept(request, plans[rid], logits[rid], hidden.get(rid))
                 else:
                     self._emit(request, logits[rid][-1])
             except (ComponentError, m.MessageError) as e:
                 self._fail(request, e)
-        if reruns:
-            self._rerun(reruns)
 
     def _batch(self, items: list[m.StepItem]) -> tuple[m.BatchLogits, list[memoryview]]:
         batch_id = new_request_id()
@@ -380,7 +377,9 @@ class DSparkComponent(Component):
         looks their Engram rows up itself: a rolled-back position's pushed rows would be stale)."""
         token, rid = request.generated[-1], request.internal_id
         if plan is not None:
-            return m.StepItem(request_id=rid, ids=m.pack_ids([token, *plan.drafts]), verify=bool(plan.drafts)), []
+            start, request.resume = request.resume, -1
+            return m.StepItem(request_id=rid, ids=m.pack_ids([token, *plan.drafts]), start=start,
+                              verify=bool(plan.drafts)), []
         position = request.prompt_tokens + len(request.generated) - 1
         window = [*request.tail, token]
         tail = window[max(0, len(window) - self.lookback):] if self.lookback else []
@@ -472,11 +471,10 @@ class DSparkComponent(Component):
             self._drafter_time(request, watch.total / len(batch))
         return plans
 
-    def _accept(self, request: Request, plan: Plan, rows: torch.Tensor,
-                hidden: torch.Tensor | None) -> m.StepItem | None:
-        """Emit the verified block's tokens; returns the step that rolls the request back to its
-        checkpoint and runs its accepted tokens again when drafts were rejected (None otherwise)."""
-        drafts, position, last = plan.drafts, request.prompt_tokens + len(request.generated) - 1, request.generated[-1]
+    def _accept(self, request: Request, plan: Plan, rows: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """Emit the verified block's tokens. When drafts were rejected the next step starts after
+        the accepted ones, which cuts the verification step there in the encoder and decoder."""
+        drafts, position = plan.drafts, request.prompt_tokens + len(request.generated) - 1
         if request.sampling.temperature == 0:
             emitted = accept_greedy(rows.argmax(-1).tolist(), drafts, request.stop_ids)
         else:
@@ -485,15 +483,15 @@ class DSparkComponent(Component):
         self._count(request.spec, len(drafts), accepted)
         for token in emitted:
             if self._push(request, token):
-                return None
+                return
         if hidden is not None:
             with Stopwatch() as watch:
                 self.drafter.observe(request.draft, hidden[: accepted + 1])
             self._drafter_time(request, watch.total)
-        if accepted == len(drafts):
-            self.active.append(request)
-            return None
-        return m.StepItem(request_id=request.internal_id, ids=m.pack_ids([last, *drafts[:accepted]]), start=position)
+        if accepted < len(drafts):
+            request.resume = position + accepted + 1
+            self.counters["spec_rolled_back_tokens"] += len(drafts) - accepted
+        self.active.append(request)
 
     def _push(self, request: Request, token: int) -> bool:
         """Emit one token; True when it ends the request (a stop token or the length limit)."""
@@ -503,28 +501,6 @@ class DSparkComponent(Component):
             self._finish(request, m.FinishReason.EOS if token in request.stop_ids else m.FinishReason.LENGTH)
             return True
         return False
-
-    def _rerun(self, reruns: list[tuple[Request, m.StepItem]]) -> None:
-        """Roll the requests with rejected drafts back to their checkpoints and run their accepted
-        tokens again, as one batch: their caches then hold what plain decoding leaves."""
-        self.stepping = [r for r, _ in reruns]
-        try:
-            answer, _ = self._batch([item for _, item in reruns])
-        except (ComponentError, m.MessageError) as e:
-            for request, _ in reruns:
-                self._fail(request, e)
-            return
-        finally:
-            self.stepping = []
-        errors = {e.request_id: ComponentError(e.code, e.component, e.text) for e in answer.errors}
-        done = set(answer.request_ids)
-        for request, item in reruns:
-            self.counters["spec_rerun_tokens"] += len(m.unpack_ids(item.ids))
-            if request.internal_id in done:
-                self.active.append(request)
-            else:
-                self._fail(request, errors.get(request.internal_id) or ComponentError(
-                    m.ErrorCode.INTERNAL, "encoder", "the batch reply left this request out"))
 
     def _count(self, spec: SpecStats, drafted: int, accepted: int) -> None:
         spec.lengths += [0] * (drafted + 1 - len(spec.lengths))

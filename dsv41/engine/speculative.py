@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.engine.core import InferenceCore, Sequence
-from dsv41.model.cache import checkpoint, restore
+from dsv41.model.cache import checkpoint, restore, truncate
 from dsv41.model.dspark import Drafter, new_state
 from dsv41.model.reference import Sampling
 
@@ -136,17 +136,21 @@ def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 @torch.inference_mode()
 def rewind(seq: Sequence, start: int) -> None:
-    """Put the sequence at position `start` before a step: its length already, or the position of
-    the checkpoint its last verification step took (the drafts after the accepted ones are then
-    rolled back in every cache: rings, compressor partial groups, pages). Raises ValueError else."""
+    """Put the sequence at position `start` before a step: its length already, a position inside its
+    last verification step (that step is cut in place to the positions before `start`: the
+    accepted ones; the rejected drafts leave every cache, nothing runs again), or the position of
+    that step's checkpoint (the whole step is rolled back). Raises ValueError else."""
     if start in (-1, seq.cache.length):
         return
     saved = seq.saved
-    if saved is None or saved.length != start:
+    if saved is None or not saved.length <= start < seq.cache.length:
         held = "no checkpoint" if saved is None else f"a checkpoint at position {saved.length}"
         raise ValueError(f"cannot step at position {start}: the sequence holds {seq.cache.length} positions and "
                          f"{held}")
-    restore(seq.cache, saved)
+    if start == saved.length:
+        restore(seq.cache, saved)
+    else:
+        truncate(seq.cache, saved, start)
     seq.count_pages()
     seq.saved = None
 
