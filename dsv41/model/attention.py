@@ -96,9 +96,14 @@ def window_indices(seq_len: int, window: int) -> torch.Tensor:
 def ring_indices(position: int, window: int) -> torch.Tensor:
     """[1, window] ring slots a decode query at `position` sees, oldest first; slots not yet written
     are -1, in front as the official code has them (after the valid ones in stable numerics)."""
-    oldest = position % window + 1
-    idx = torch.cat([torch.arange(oldest, window), torch.arange(oldest)])
-    idx = torch.where(idx > position, -1, idx).unsqueeze(0)
+    return ring_slots(torch.tensor([position]), window)
+
+
+def ring_slots(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """`ring_indices` of several decode queries at once: positions [B] -> [B, window]."""
+    positions = positions.unsqueeze(1)
+    idx = (positions % window + 1 + torch.arange(window)) % window
+    idx = torch.where(idx > positions, -1, idx)
     return valid_first(idx) if numerics.is_stable() else idx
 
 
@@ -312,26 +317,31 @@ class Attention(nn.Module):
         """One decode token of each sequence read straight from packed bytes, the i-th token of
         x/qr/kv being parts[i]'s (q [B, heads, dim]): the SWA rings and the Top-k main-KV entries
         are gathered and dequantized inside one attention kernel call; the entries of every
-        sequence sit in one page pool, which the kernel reads in place. Returns [B, heads, dim]."""
-        rings, slots, entries = [], [], []
-        for i, part in enumerate(parts):
-            ring, start = part.cache.windows[self.spec.layer_id], part.start
-            ring.write(slice(start % self.window, start % self.window + 1), kv[:, i : i + 1])
-            rings.append(ring.data)
-            slots.append(ring_indices(start, self.window).int())
-            if self.spec.ratio:
-                entry_idx = self._global_branch(x[:, i : i + 1], qr[:, i : i + 1], table, part)[:, 0]
-                _record(part, self.spec.layer_id, "compress_topk_idxs",
-                        torch.where(entry_idx >= 0, entry_idx + self.window, -1).unsqueeze(1))
-                entries.append(part.cache.groups[self.spec.kv_owner].main_kv.physical(entry_idx).int())
-        b = len(parts)
-        if self.spec.ratio:
-            main = parts[0].cache.groups[self.spec.kv_owner].main_kv.pool.rows.expand(b, -1, -1)
-            entry_idx = official_width(torch.cat(entries))
-        else:
+        sequence sit in one page pool, which the kernel reads in place. The new ring rows are
+        packed and the index queries computed once for the batch (both are per-row work); each
+        sequence's rings, compressor and index selection then use its own state. Returns [B, heads, dim]."""
+        layer, b = self.spec.layer_id, len(parts)
+        rings = [part.cache.windows[layer] for part in parts]
+        packed = dispatch.pack_rows(kv, rings[0].fmt)
+        starts = torch.tensor([part.start for part in parts])
+        for i, (ring, part) in enumerate(zip(rings, parts, strict=True)):
+            ring.data[:, part.start % self.window] = packed[:, i]
+        slots = ring_slots(starts, self.window).int()
+        if not self.spec.ratio:
             entry_idx = torch.empty(b, 0, dtype=torch.int32)
             main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
-        return dispatch.sparse_attention_decode(q, torch.cat(rings), torch.cat(slots), main, entry_idx,
+        else:
+            query = self.indexer.query(x, qr, table[starts]) if self.indexer is not None else None
+            entries = []
+            for i, part in enumerate(parts):
+                mine = None if query is None else (query[0][:, i : i + 1], query[1][:, i : i + 1])
+                entry_idx = self._global_branch(x[:, i : i + 1], qr[:, i : i + 1], table, part, mine)[:, 0]
+                _record(part, layer, "compress_topk_idxs",
+                        torch.where(entry_idx >= 0, entry_idx + self.window, -1).unsqueeze(1))
+                entries.append(part.cache.groups[self.spec.kv_owner].main_kv.physical(entry_idx).int())
+            main = parts[0].cache.groups[self.spec.kv_owner].main_kv.pool.rows.expand(b, -1, -1)
+            entry_idx = official_width(torch.cat(entries))
+        return dispatch.sparse_attention_decode(q, torch.cat([ring.data for ring in rings]), slots, main, entry_idx,
                                                 self.attn_sink, self.head_dim**-0.5)
 
     def _window(self, kv: torch.Tensor, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,8 +373,9 @@ class Attention(nn.Module):
         idx = torch.where(positions >= max(first, 0), positions - first, -1)
         return values, valid_first(idx).int().expand(b, -1, -1)
 
-    def _global_branch(self, x, qr, table, shared: SharedAttention) -> torch.Tensor:
-        """The entry ids [b, s, k] of the group's global KV each query attends to (-1 unused)."""
+    def _global_branch(self, x, qr, table, shared: SharedAttention, query=None) -> torch.Tensor:
+        """The entry ids [b, s, k] of the group's global KV each query attends to (-1 unused);
+        `query`: the indexer's queries of x when the caller has them (`Indexer.query`)."""
         spec = self.spec
         if spec.mode is Mode.FULL:
             if shared.emit_entries:
@@ -372,7 +383,7 @@ class Attention(nn.Module):
             else:
                 self._use_existing_entries(x, shared)
         if self.indexer is not None:
-            shared.topk[spec.layer_id] = self._select(x, qr, table, shared)
+            shared.topk[spec.layer_id] = self._select(x, qr, table, shared, query=query)
             shared.rows_start[spec.layer_id] = shared.start
         # a producer may have run on earlier positions too (the exact prefill's staircase)
         return shared.topk[spec.topk_producer][:, shared.start - shared.rows_start[spec.topk_producer] :]
@@ -410,20 +421,22 @@ class Attention(nn.Module):
         latent = self.compressor(x, start, group)
         first = start // ratio
         if latent is None:
-            keys = x.new_zeros(x.size(0), 0, self.indexer.head_dim)
-            main = x.new_zeros(x.size(0), 0, self.head_dim)
+            raw_keys = x.new_zeros(x.size(0), 0, self.indexer.head_dim)
+            raw_main = x.new_zeros(x.size(0), 0, self.head_dim)
         else:
             entry_rows = table[(first + torch.arange(latent.size(1))) * ratio]  # an entry sits at its group's start
             raw_keys, raw_main = self.indexer.keys(latent, entry_rows), rotate(latent, entry_rows)
-            keys, main = mxfp4_qdq(raw_keys), main_kv_qdq(raw_main)
             if group is not None:
-                group.index_k.write(slice(first, first + keys.size(1)), raw_keys)
-                group.main_kv.write(slice(first, first + main.size(1)), raw_main)
+                group.index_k.write(slice(first, first + raw_keys.size(1)), raw_keys)
+                group.main_kv.write(slice(first, first + raw_main.size(1)), raw_main)
                 cache.index_k_slot = layer
+        if start > 0:  # later layers read the group's store; the values in hand are only traced
+            shared.index_k[layer], shared.main_kv[layer] = group.index_k, group.main_kv
+            if shared.trace is None:
+                return
+        keys, main = mxfp4_qdq(raw_keys), main_kv_qdq(raw_main)
         if start == 0:
             shared.index_k[layer], shared.main_kv[layer] = keys, main
-        else:
-            shared.index_k[layer], shared.main_kv[layer] = group.index_k, group.main_kv
         _record(shared, layer, "main_kv", main)
         _record(shared, layer, "index_k", keys)
 
@@ -436,11 +449,15 @@ class Attention(nn.Module):
             return cache.index_k_slot
         return spec.kv_owner
 
-    def _scores(self, x, qr, table, shared: SharedAttention, total: int) -> torch.Tensor:
+    def _index_query(self, x, qr, table, start: int, query) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's queries of x at positions start..: `query` when the caller has them."""
+        return query if query is not None else self.indexer.query(x, qr, table[start : start + x.size(1)])
+
+    def _scores(self, x, qr, table, shared: SharedAttention, total: int, query=None) -> torch.Tensor:
         """Index scores [b, s, total]; a packed decode step scores the packed keys in a kernel, a
         candidate consumer only the entries in the pool."""
         start, s = shared.start, x.size(1)
-        q, weights = self.indexer.query(x, qr, table[start : start + s])
+        q, weights = self._index_query(x, qr, table, start, query)
         owner = self._key_owner(shared)
         if start == 0:
             return self.indexer.scores(q, weights, shared.index_k[owner][:, :total])
@@ -456,15 +473,14 @@ class Attention(nn.Module):
         scores = torch.full((x.size(0), total + 1), -torch.inf, dtype=pool_scores.dtype)
         return scores.scatter(-1, torch.where(ids >= 0, ids, total).long(), pool_scores)[:, :total].unsqueeze(1)
 
-    def _select_in_pool(self, x, qr, table, shared: SharedAttention, total: int) -> torch.Tensor | None:
+    def _select_in_pool(self, x, qr, table, shared: SharedAttention, total: int, query=None) -> torch.Tensor | None:
         """A candidate consumer's decode step on a packed cache: only the pool's entries are scored
         and ranked, so its cost does not grow with the context. None when the pool holds fewer
         entries than the step picks: the reference's top-k then also takes entries outside it."""
         ids, k = _compact(shared.candidates[:, -1]), min(self.indexer.topk, total)
         if int((ids >= 0).sum(-1).min()) < k:
             return None
-        start = shared.start
-        q, weights = self.indexer.query(x, qr, table[start : start + 1])
+        q, weights = self._index_query(x, qr, table, shared.start, query)
         store = shared.cache.groups[self._key_owner(shared)].index_k
         scores = dispatch.index_scores(q[:, 0], weights[:, 0], store.pool.rows, store.physical(ids))
         if shared.scored is not None:
@@ -490,18 +506,19 @@ class Attention(nn.Module):
         key = _scored_kind(self.spec)
         shared.scored[key] = shared.scored.get(key, 0) + n
 
-    def _select(self, x, qr, table, shared: SharedAttention, scores: torch.Tensor | None = None) -> torch.Tensor:
-        """Entry ids [b, s, index_topk] (-1 unused); `scores` when the caller already has them."""
+    def _select(self, x, qr, table, shared: SharedAttention, scores: torch.Tensor | None = None,
+                query=None) -> torch.Tensor:
+        """Entry ids [b, s, index_topk] (-1 unused); `scores` or `query` when the caller has them."""
         spec, s, start = self.spec, x.size(1), shared.start
         total = (start + s) // spec.ratio
         if total == 0:
             return torch.empty(x.size(0), s, 0, dtype=torch.int32)
         if spec.candidate_consumer and s == 1 and start > 0 and shared.cache.packed and shared.trace is None:
-            picked = self._select_in_pool(x, qr, table, shared, total)
+            picked = self._select_in_pool(x, qr, table, shared, total, query)
             if picked is not None:
                 return picked
         if scores is None:
-            scores = self._scores(x, qr, table, shared, total)
+            scores = self._scores(x, qr, table, shared, total, query)
         if shared.scored is not None:
             self._count_scored(scores, shared)
         if s == 1 and start > 0:
