@@ -49,6 +49,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = None if scale is None else nn.Parameter(scale, requires_grad=False)
         self._dequant: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self._scaled: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Weight values (fp32, unscaled) and per-row per-32 scales, cached until the weight changes."""
@@ -62,14 +63,27 @@ class Linear(nn.Module):
             self._dequant = (key, values, scale)
         return self._dequant[1], self._dequant[2]
 
+    def scaled(self) -> torch.Tensor:
+        """The weight's real values [in, out] (fp32, scales applied), cached until the weight changes."""
+        values, scale = self.dequantized()
+        if self._scaled is None or self._scaled[0] is not values:
+            real = (values.unflatten(1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(1)
+            self._scaled = (values, real.t().contiguous())
+        return self._scaled[1]
+
     def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
         """y = x W^T; `quantized` is x already through `quantize_rows` (linears that share an input
-        quantize it once)."""
+        quantize it once). With DSV41_FAST_GEMM=1 (inference only) the quantized activations and
+        the weight's cached real values go through one fp32 GEMM: the same exact products summed in
+        the GEMM's own order instead of block by block."""
         if self.scale is None:
             return numerics.linear(x, self.weight)
-        values, scale = self.dequantized()
         q, q_scale = quantized if quantized is not None else quantize_rows(x)
-        y = block_scaled_matmul(q, q_scale, values, scale, BLOCK)
+        if numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear"):
+            y = torch.mm((q.unflatten(1, (-1, BLOCK)) * q_scale.unsqueeze(-1)).flatten(1), self.scaled())
+        else:
+            values, scale = self.dequantized()
+            y = block_scaled_matmul(q, q_scale, values, scale, BLOCK)
         return y.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
 
 

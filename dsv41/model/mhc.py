@@ -7,7 +7,6 @@ one-step shift is what lets the real kernels fuse update, collapse and predictio
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
@@ -25,17 +24,9 @@ def sinkhorn_split(
     (`torch.compile`, inductor): about 120 small operators become one kernel, and comb moves by
     a few fp32 ulps (docs/performance.md)."""
     args = (mixes, scale, base, numerics.scalar(eps), numerics.scalar(2.0), hc, iters)
-    if fast_mhc() and not torch.is_grad_enabled() and not numerics.is_stable():
+    if numerics.opt_in("DSV41_FAST_MHC", "compiled Sinkhorn"):
         return _compiled_split()(*args)
     return _split(*args)
-
-
-def fast_mhc() -> bool:
-    """Whether DSV41_FAST_MHC asks for the compiled Sinkhorn (off by default)."""
-    choice = os.environ.get("DSV41_FAST_MHC", "0")
-    if choice not in ("0", "1"):
-        raise ValueError(f"DSV41_FAST_MHC={choice!r}: use 0 (reference numerics) or 1 (compiled Sinkhorn)")
-    return choice == "1"
 
 
 @cache

@@ -15,6 +15,7 @@ a tool for tests and measurements on small models.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -38,6 +39,16 @@ def stable_numerics(on: bool = True) -> Iterator[None]:
 def is_stable() -> bool:
     """Whether shape-stable numerics are on (callers that lay out work by shape ask this)."""
     return _stable
+
+
+def opt_in(variable: str, what: str) -> bool:
+    """Whether environment variable `variable` (0, the default, or 1) turns on the fast path `what`.
+    Fast paths leave the official numerics (last bits move; docs/performance.md), so they apply only
+    to inference (no autograd) outside shape-stable numerics."""
+    choice = os.environ.get(variable, "0")
+    if choice not in ("0", "1"):
+        raise ValueError(f"{variable}={choice!r}: use 0 (reference numerics) or 1 ({what})")
+    return choice == "1" and not _stable and not torch.is_grad_enabled()
 
 
 @cache

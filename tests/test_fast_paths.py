@@ -1,0 +1,44 @@
+"""The opt-in fast GEMM (DSV41_FAST_GEMM=1) on the default model, whose linears sum six or more
+32-element blocks: the logits of a prefill and of teacher-forced decode steps stay within the
+parity policy of the reference numerics, and a greedy token may differ only at a near tie.
+(Products of FP8 and FP4 values are exact in fp32 and their sums mostly are too, so the two orders
+often give the same bits; the golden data is checked in tests/test_parity.py.)"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.checkpoint import load_model
+from dsv41.engine.core import InferenceCore
+from dsv41.model import layers
+from dsv41.parity import FLOAT_TOLERANCE, compare, top2_gap
+
+
+def _logits(core: InferenceCore, prompt: list[int], forced: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        seq, logits = core.prefill(prompt, capacity=len(prompt) + len(forced) + 1, packed=True)
+        rows = [logits.float()]
+        rows += [core.step(seq, [token])[-1].float() for token in forced]
+        core.release(seq)
+    return torch.stack(rows)
+
+
+def test_fast_gemm_stays_within_the_parity_policy_on_small(monkeypatch, rng):
+    model, _ = load_model("small")
+    model.eval()
+    core = InferenceCore(model)
+    vocab = model.config.text_config.vocab_size
+    prompt = torch.randint(3, vocab, (40,), generator=rng).tolist()
+    forced = torch.randint(3, vocab, (6,), generator=rng).tolist()
+    want = _logits(core, prompt, forced)
+    monkeypatch.setenv("DSV41_FAST_GEMM", "1")
+
+    def refuse(*args):
+        raise AssertionError("the block-by-block GEMM ran in fast mode")
+
+    monkeypatch.setattr(layers, "block_scaled_matmul", refuse)
+    got = _logits(core, prompt, forced)
+    row = compare("fast", "logits", got, want)
+    assert row.passed and row.rel <= FLOAT_TOLERANCE, f"max abs {row.max_abs:.3g}, {row.rel:.3g} of the scale"
+    flipped = got.argmax(-1) != want.argmax(-1)
+    assert bool((top2_gap(want)[flipped] <= FLOAT_TOLERANCE * float(want.abs().max())).all())
