@@ -232,7 +232,7 @@ def test_accepted_blocks_stop_and_length_inside_a_block_and_batched_equals_alone
     assert 0 < families["dsv41_spec_decode_drafter_time_share"].samples[0].value < 1
 
 
-def test_a_drafter_mode_without_a_drafter_is_refused_and_off_is_the_default(root):
+def test_a_drafter_mode_without_a_drafter_is_refused_and_auto_is_the_default_with_one(root):
     from dsv41.components.context import ComponentContext
 
     def context(checkpoint, **options):
@@ -243,8 +243,8 @@ def test_a_drafter_mode_without_a_drafter_is_refused_and_off_is_the_default(root
     assert dspark_component._speculation(context(None))[1] == "off"
     with pytest.raises(ValueError, match="no DSpark drafter"):
         dspark_component._speculation(context(None, mode="fixed"))
-    assert dspark_component._speculation(context(str(root / "model")))[:2] == (None, "off")  # opt-in
-    drafter, mode, length = dspark_component._speculation(context(str(root / "model"), mode="auto", length=9))
+    assert dspark_component._speculation(context(str(root / "model"), mode="off"))[:2] == (None, "off")
+    drafter, mode, length = dspark_component._speculation(context(str(root / "model"), length=9))  # unset: auto
     assert drafter is not None and mode == "auto" and length == BLOCK  # capped at the block size
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dsv41.engine.dspark_scheduler import choose_lengths, prefix_survival
+from dsv41.engine.dspark_scheduler import Calibration, choose_lengths, prefix_survival
 
 
 def _logit(p: float) -> float:
@@ -44,3 +44,31 @@ def test_fixed_and_off():
     assert choose_lengths(conf, lambda n: 1.0, "off") == [0, 0]
     with pytest.raises(ValueError, match="unknown DSpark schedule"):
         choose_lengths(conf, lambda n: 1.0, "sometimes")
+
+
+def test_calibration_brings_an_over_confident_head_to_the_observed_rates(rng):
+    """A head that says 0.99 everywhere, drafts accepted with probability 0.6 each (given the one
+    before): after many verifications the calibrated predictions approach 0.6 at every position
+    reached, and the auto scheduler then verifies fewer drafts than the raw head asks for."""
+    import torch
+
+    calibration, raw = Calibration(), [_logit(0.99)] * 4
+    for _ in range(2000):
+        accepted = 0
+        while accepted < 4 and float(torch.rand((), generator=rng)) < 0.6:
+            accepted += 1
+        calibration.observe(raw, 4, accepted)
+    adjusted = [1 / (1 + math.exp(-c)) for c in calibration.adjust(raw)]
+    assert adjusted == pytest.approx([0.6] * 4, abs=0.06)
+    assert calibration.ratios()[0] == pytest.approx(0.6 / 0.99, abs=0.05)
+    rate = lambda n: 1.0 / (1 + 0.3 * n)  # noqa: E731
+    assert choose_lengths([calibration.adjust(raw)], rate) < choose_lengths([raw], rate) == [4]
+
+
+def test_calibration_starts_neutral_and_counts_only_positions_reached():
+    calibration = Calibration()
+    raw = [_logit(0.8), _logit(0.7), _logit(0.6)]
+    assert calibration.adjust(raw) == pytest.approx(raw)
+    calibration.observe(raw, 3, 0)  # the first draft rejected: positions 1 and 2 were never reached
+    assert len(calibration.predicted) == 1 and calibration.accepted == [0]
+    assert calibration.adjust(raw)[1:] == pytest.approx(raw[1:])

@@ -181,7 +181,7 @@ def _placements(pipeline: Pipeline) -> str:
 @click.option("--dspark", "dspark_mode", type=click.Choice(["auto", "fixed", "off"]),
               help="Speculative decoding with the model's DSpark drafter: auto (the scheduler picks each step's "
                    "drafts), fixed (--dspark-length drafts per step) or off (default: the pipeline's "
-                   "components.dspark.options.mode; unset, off).")
+                   "components.dspark.options.mode; unset, auto when the model has a drafter, else off).")
 @click.option("--dspark-length", type=click.IntRange(1, 64),
               help="Drafts verified per step with --dspark fixed, the most with auto (at most the model's "
                    "dspark_block_size; default: the block size).")

@@ -35,7 +35,7 @@ import torch
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
 from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
-from dsv41.engine.dspark_scheduler import choose_lengths
+from dsv41.engine.dspark_scheduler import Calibration, RoundChooser, choose_lengths
 from dsv41.engine.speculative import StepCost, Stopwatch, accept_greedy, accept_sampled, target_probs
 from dsv41.model.dspark import Drafter, DraftState, has_drafter, load_dspark, new_state
 from dsv41.model.reference import Sampling, sample_next
@@ -63,6 +63,7 @@ class Plan:
 
     drafts: list[int]
     probs: torch.Tensor | None = None  # [k, vocab]
+    confidence: list[float] = field(default_factory=list)  # the head's raw logits of the drafts
 
 
 @dataclass
@@ -77,7 +78,6 @@ class Request:
     stop_ids: tuple[int, ...]
     generator: torch.Generator
     started: float
-    tail: list[int]  # the last Engram look-back ids before the next token
     detokenizer: Detokenizer
     prefill: m.Logits | None = None
     generated: list[int] = field(default_factory=list)
@@ -122,6 +122,8 @@ class DSparkComponent(Component):
         self.config = config
         self.drafter, self.mode, self.length = _speculation(context)
         self.cost = StepCost()  # seconds of a step by tokens verified, for the `auto` scheduler
+        self.calibration = Calibration()  # the confidence head against the acceptances observed
+        self.rounds = RoundChooser()  # `auto`: speculate this round or step plainly
         self.profiled = self.mode != "auto"
         self.counters["spec_enabled"] = int(self.drafter is not None)
 
@@ -164,8 +166,7 @@ class DSparkComponent(Component):
         sampling = Sampling(message.temperature, message.top_p, message.seed)
         return Request(message.request_id, new_request_id(), reply, ids, message.prefill_mode, message.max_new_tokens,
                        sampling, (self.eos,) if message.stop_at_eos else (),
-                       torch.Generator().manual_seed(message.seed), time.perf_counter(),
-                       ids[max(0, len(ids) - self.lookback):], Detokenizer(self.token_bytes))
+                       torch.Generator().manual_seed(message.seed), time.perf_counter(), Detokenizer(self.token_bytes))
 
     # --- admission ---------------------------------------------------------------------------------
     def _can_admit(self) -> bool:
@@ -315,22 +316,23 @@ class DSparkComponent(Component):
 
     def _step(self) -> None:
         """One batched step of the requests decoding (up to MAX_BATCH of them): one token each, or
-        with the drafter each request's drafts verified. A request whose step found no free KV page
+        with the drafter each request's drafts verified (`auto` may step plainly for a round when
+        that has emitted more tokens per second). A request whose step found no free KV page
         tries again next round while others progress (they free pages as they end); when none
         progressed, the newest of them fails with CAPACITY."""
         batch = [self.active.popleft() for _ in range(min(len(self.active), m.MAX_BATCH))]
-        tails, plans = {}, {}
+        emitted_before = sum(len(r.generated) for r in batch)
+        plans = {}
         self.stepping = batch
+        speculate = self.drafter is not None and (self.mode != "auto" or self.rounds.speculate(len(batch)))
+        started = time.perf_counter()
         try:
-            if self.drafter is not None:
+            if speculate:
                 plans = self._plan(batch)
-            items = []
-            for request in batch:
-                item, tails[request.internal_id] = self._step_item(request, plans.get(request.internal_id))
-                items.append(item)
-            started = time.perf_counter()
+            items = [self._step_item(request, plans.get(request.internal_id)) for request in batch]
+            stepped = time.perf_counter()
             answer, frames = self._batch(items)
-            self._step_time(sum(len(m.unpack_ids(item.ids)) for item in items), time.perf_counter() - started)
+            self._step_time(sum(len(m.unpack_ids(item.ids)) for item in items), time.perf_counter() - stepped)
         except (ComponentError, m.MessageError) as e:
             for request in batch:
                 self._fail(request, e)
@@ -339,7 +341,7 @@ class DSparkComponent(Component):
             self.stepping = []
         logits = dict(zip(answer.request_ids, m.tensor(answer.logits, frames).split(answer.sizes), strict=True))
         hidden = {}
-        if plans and answer.main_hidden is not None:
+        if self.drafter is not None and answer.main_hidden is not None:
             hidden = dict(zip(answer.request_ids, m.tensor(answer.main_hidden, frames).split(answer.sizes),
                               strict=True))
         errors = {e.request_id: ComponentError(e.code, e.component, e.text) for e in answer.errors}
@@ -357,36 +359,42 @@ class DSparkComponent(Component):
                 if request.internal_id not in logits:
                     raise errors.get(request.internal_id) or ComponentError(
                         m.ErrorCode.INTERNAL, "encoder", "the batch reply left this request out")
-                request.tail = tails[request.internal_id]
                 rid = request.internal_id
                 if rid in plans:
                     self._accept(request, plans[rid], logits[rid], hidden.get(rid))
                 else:
+                    self._observe(request, hidden.get(rid))
                     self._emit(request, logits[rid][-1])
             except (ComponentError, m.MessageError) as e:
                 self._fail(request, e)
+        if self.drafter is not None:
+            emitted = sum(len(r.generated) for r in batch) - emitted_before
+            self.rounds.observe(len(batch), speculate, emitted, time.perf_counter() - started)
+            self.counters["spec_plain_rounds"] += not speculate
 
     def _batch(self, items: list[m.StepItem]) -> tuple[m.BatchLogits, list[memoryview]]:
         batch_id = new_request_id()
         self.encoder.send(m.BatchStep(request_id=batch_id, items=items))
         return self._collect(self.timeout_s, until=batch_id)
 
-    def _step_item(self, request: Request, plan: Plan | None = None) -> tuple[m.StepItem, list[int]]:
-        """The request's next step: its last token (with the Engram rows pushed ahead), and the
-        look-back ids after it. With a plan: the last token and the drafts to verify (the encoder
-        looks their Engram rows up itself: a rolled-back position's pushed rows would be stale)."""
+    def _step_item(self, request: Request, plan: Plan | None = None) -> m.StepItem:
+        """The request's next step from where its last one left it (after a partly rejected block:
+        after the accepted tokens). Plain: its last token, with the Engram rows pushed ahead. With
+        a plan: the last token and the drafts to verify (the encoder looks their Engram rows up
+        itself: a cut position's pushed rows would be stale)."""
         token, rid = request.generated[-1], request.internal_id
+        start, request.resume = request.resume, -1
         if plan is not None:
-            start, request.resume = request.resume, -1
             return m.StepItem(request_id=rid, ids=m.pack_ids([token, *plan.drafts]), start=start,
-                              verify=bool(plan.drafts)), []
+                              verify=bool(plan.drafts))
         position = request.prompt_tokens + len(request.generated) - 1
-        window = [*request.tail, token]
-        tail = window[max(0, len(window) - self.lookback):] if self.lookback else []
+        window = request.generated[max(0, len(request.generated) - self.lookback - 1):]
+        if len(window) <= self.lookback:
+            window = request.ids[max(0, request.prompt_tokens - (self.lookback + 1 - len(window))):] + window
         offset = position + 1 - len(window)
         prefetched = offset >= request.text_from and self._prefetch(
             m.EngramPrefetch(request_id=rid, ids=m.pack_ids(window), offset=offset, start=position))
-        return m.StepItem(request_id=rid, ids=m.pack_ids([token]), engram_prefetch=prefetched), tail
+        return m.StepItem(request_id=rid, ids=m.pack_ids([token]), engram_prefetch=prefetched, start=start)
 
     def _emit(self, request: Request, logits: torch.Tensor) -> None:
         token = int(sample_next(logits.unsqueeze(0), request.sampling, request.generator)[0])
@@ -459,14 +467,15 @@ class DSparkComponent(Component):
             rooms = [min(self.length, r.max_new_tokens - len(r.generated)) for r in batch]
             confidence = [drafted[r.internal_id][0].confidence[drafted[r.internal_id][1], :room].tolist()
                           for r, room in zip(batch, rooms, strict=True)]
-            lengths = choose_lengths(confidence, self.cost.steps_per_s, self.mode, fixed=self.length)
+            lengths = choose_lengths([self.calibration.adjust(c) for c in confidence], self.cost.steps_per_s,
+                                     self.mode, fixed=self.length)
             plans = {}
-            for request, k in zip(batch, lengths, strict=True):
+            for request, k, raw in zip(batch, lengths, confidence, strict=True):
                 draft, i = drafted[request.internal_id]
                 probs = None
                 if request.sampling.temperature > 0 and k:
                     probs = torch.softmax(draft.logits[i, :k] / max(request.sampling.temperature, 1e-5), dim=-1)
-                plans[request.internal_id] = Plan(draft.tokens[i, :k].tolist(), probs)
+                plans[request.internal_id] = Plan(draft.tokens[i, :k].tolist(), probs, raw[:k])
         for request in batch:
             self._drafter_time(request, watch.total / len(batch))
         return plans
@@ -481,17 +490,25 @@ class DSparkComponent(Component):
             emitted = accept_sampled(target_probs(rows, request.sampling), plan.probs, drafts, request.generator)
         accepted = len(emitted) - 1
         self._count(request.spec, len(drafts), accepted)
+        self.calibration.observe(plan.confidence, len(drafts), accepted)
+        for i, ratio in enumerate(self.calibration.ratios()):
+            self.counters[f"spec_calibration_pos_{i}_permille"] = round(1000 * ratio)
         for token in emitted:
             if self._push(request, token):
                 return
-        if hidden is not None:
-            with Stopwatch() as watch:
-                self.drafter.observe(request.draft, hidden[: accepted + 1])
-            self._drafter_time(request, watch.total)
+        self._observe(request, None if hidden is None else hidden[: accepted + 1])
         if accepted < len(drafts):
             request.resume = position + accepted + 1
             self.counters["spec_rolled_back_tokens"] += len(drafts) - accepted
         self.active.append(request)
+
+    def _observe(self, request: Request, hidden: torch.Tensor | None) -> None:
+        """The drafter's rings take the backbone states of the positions a step kept."""
+        if hidden is None or request.draft is None:
+            return
+        with Stopwatch() as watch:
+            self.drafter.observe(request.draft, hidden)
+        self._drafter_time(request, watch.total)
 
     def _push(self, request: Request, token: int) -> bool:
         """Emit one token; True when it ends the request (a stop token or the length limit)."""
@@ -555,14 +572,13 @@ class DSparkComponent(Component):
 
 def _speculation(context: ComponentContext) -> tuple[Drafter | None, str, int]:
     """The drafter, the scheduling mode and the most drafts per step, from the dspark options and
-    the model directory: `mode` unset is off. Speculation is opt-in while the component's rollback
-    re-runs the accepted tokens: on the default model it decodes slower than plain steps."""
+    the model directory: `mode` unset is auto when the directory holds a drafter, else off."""
     from dsv41.checkpoint import weight_files
 
     mode, length = context.option("dspark", "mode", None), context.option("dspark", "length", None)
     files = weight_files(context.checkpoint_dir) if context.checkpoint_dir is not None else []
     found = bool(files) and has_drafter(files)
-    mode = mode or "off"
+    mode = mode or ("auto" if found else "off")
     if mode == "off":
         return None, "off", 0
     if not found:

@@ -8,6 +8,16 @@ R + (admitted drafts) tokens, and `steps_per_s(n)` gives the engine's measured s
 tokens. Candidates (r, j) are taken in decreasing a, each request's positions in order, while the
 expected accepted tokens per second Θ = (R + Σ admitted a) · steps_per_s(R + #admitted) still rise.
 The scheduler stops at the first drop. "fixed" verifies the same length for everyone, "off" none.
+
+A head trained on few samples is over-confident (the default model's predicts about 0.99 where
+0.6 is observed), which makes `auto` verify whole blocks. `Calibration` corrects it online: per
+draft position, the acceptances observed over the predicted probabilities (both counted only
+where the drafts before were accepted) scale the head's next predictions.
+
+The confidence head cannot see what drafting itself costs, nor what a request gains when the
+drafter is weak in its domain. `RoundChooser` decides before drafting whether a round speculates at
+all, from the output tokens per second measured for speculative and for plain rounds at each
+batch size, trying the other kind now and then so both rates stay current.
 """
 
 from __future__ import annotations
@@ -20,9 +30,79 @@ def prefix_survival(confidence: Sequence[float], temperature: float = 1.0) -> li
     """a_j = prod_{i<=j} sigmoid(logit_i / temperature)."""
     out, a = [], 1.0
     for logit in confidence:
-        a *= 1.0 / (1.0 + math.exp(-logit / temperature))
+        a *= _sigmoid(logit / temperature)
         out.append(a)
     return out
+
+
+class Calibration:
+    """Online per-position correction of the confidence head: p'_i = p_i · (A_i + k) / (P_i + k),
+    with A_i the drafts accepted at position i and P_i the head's predicted probabilities summed,
+    over verifications that reached position i (k pseudo-counts: no correction at first)."""
+
+    def __init__(self, prior: float = 4.0):
+        self.prior = prior
+        self.predicted: list[float] = []
+        self.accepted: list[int] = []
+
+    def observe(self, confidence: Sequence[float], verified: int, accepted: int) -> None:
+        """One verification: `verified` drafts with these confidence logits, the first `accepted` kept."""
+        reached = min(verified, accepted + 1)
+        grow = reached - len(self.predicted)
+        if grow > 0:
+            self.predicted += [0.0] * grow
+            self.accepted += [0] * grow
+        for i in range(reached):
+            self.predicted[i] += _sigmoid(confidence[i])
+            self.accepted[i] += i < accepted
+
+    def adjust(self, confidence: Sequence[float]) -> list[float]:
+        """Calibrated confidence logits."""
+        out = []
+        for i, logit in enumerate(confidence):
+            ratio = 1.0
+            if i < len(self.predicted):
+                ratio = (self.accepted[i] + self.prior) / (self.predicted[i] + self.prior)
+            p = min(max(_sigmoid(logit) * ratio, 1e-6), 1 - 1e-6)
+            out.append(math.log(p / (1 - p)))
+        return out
+
+    def ratios(self) -> list[float]:
+        """Observed over predicted acceptance per position (1.0: calibrated)."""
+        return [(a + self.prior) / (p + self.prior) for a, p in zip(self.accepted, self.predicted, strict=True)]
+
+
+class RoundChooser:
+    """Speculate this round or not: whichever kind of round has emitted more tokens per second
+    (drafting and stepping included) at this batch size, the other one every `explore`-th round;
+    each kind is tried first until it has a rate. A rate is decayed tokens over decayed seconds, so
+    one lucky or unlucky block does not flip the choice."""
+
+    def __init__(self, explore: int = 8, decay: float = 0.95):
+        self.explore, self.decay = explore, decay
+        self.sums: dict[tuple[int, bool], tuple[float, float]] = {}  # (tokens, seconds)
+        self.rounds = 0
+
+    def rate(self, batch: int, speculated: bool) -> float | None:
+        """Tokens per second of this kind of round at this batch size (None: not tried yet)."""
+        got = self.sums.get((batch, speculated))
+        return None if got is None else got[0] / max(got[1], 1e-9)
+
+    def speculate(self, batch: int) -> bool:
+        self.rounds += 1
+        spec, plain = self.rate(batch, True), self.rate(batch, False)
+        if spec is None or plain is None:
+            return spec is None
+        best = spec >= plain
+        return (not best) if self.rounds % self.explore == 0 else best
+
+    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        old_tokens, old_seconds = self.sums.get((batch, speculated), (0.0, 0.0))
+        self.sums[(batch, speculated)] = (self.decay * old_tokens + tokens, self.decay * old_seconds + seconds)
+
+
+def _sigmoid(logit: float) -> float:
+    return 1.0 / (1.0 + math.exp(-logit))
 
 
 def choose_lengths(confidence: Sequence[Sequence[float]], steps_per_s: Callable[[int], float],

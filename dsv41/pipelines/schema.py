@@ -151,7 +151,7 @@ class DSparkOptions(CommonOptions, frozen=True, kw_only=True):
 
     # auto: the scheduler picks each request's verification length from the drafter's confidence and the
     # measured step cost; fixed: `length` drafts per request and step; off: one token per step. Unset:
-    # off (speculation is opt-in: the component's rollback still re-runs accepted tokens)
+    # auto when the model holds a drafter (mtp.* tensors), else off
     mode: Literal["auto", "fixed", "off"] | msgspec.UnsetType = msgspec.UNSET
     # drafts verified per request and step (fixed), or the most (auto); at most the model's
     # dspark_block_size. Unset: the block size
