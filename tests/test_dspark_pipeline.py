@@ -26,6 +26,7 @@ from dsv41.model.dspark import Draft, build_dspark, dspark_tensors
 from dsv41.model.numerics import stable_numerics
 from dsv41.model.random_init import init_random
 from dsv41.model.reference import random_model
+from dsv41.pipelines.client import generate_together
 from dsv41.pipelines.launch import Supervisor, with_overrides
 from dsv41.serving.metrics import ComponentCollector
 from tests.helpers.pipelines import pipeline_for, short_dir
@@ -57,23 +58,10 @@ def pipeline(root, name: str, model_dir: str = "model", block_tokens: int = 4096
 
 def run_all(supervisor: Supervisor, requests: list[dict]) -> list[tuple[list[int], m.Finished]]:
     """Send every request at once (they are stepped as one batch), then read each stream."""
-    peers = [supervisor.peer() for _ in requests]
-    messages = [m.Generate(request_id=new_request_id(), ids=m.pack_ids(r["ids"]),
-                           max_new_tokens=r["n"], stop_at_eos=r.get("eos", False),
-                           temperature=r.get("temperature", 0.0), seed=r.get("seed", 0)) for r in requests]
-    out = []
-    try:
-        for peer, message in zip(peers, messages, strict=True):
-            peer.send(message)
-        for peer, message in zip(peers, messages, strict=True):
-            tokens = []
-            while not isinstance(event := peer.receive(message.request_id)[0], m.Finished):
-                tokens.append(event.token)
-            out.append((tokens, event))
-    finally:
-        for peer in peers:
-            peer.close()
-    return out
+    return generate_together(supervisor.peer, [
+        m.Generate(request_id=new_request_id(), ids=m.pack_ids(r["ids"]), max_new_tokens=r["n"],
+                   stop_at_eos=r.get("eos", False), temperature=r.get("temperature", 0.0), seed=r.get("seed", 0))
+        for r in requests])
 
 
 def one_by_one(supervisor: Supervisor, requests: list[dict]):
@@ -157,8 +145,9 @@ class KnownDrafter:
     """Drafts the known plain continuation of each request (looked up by position and last token),
     wrong at every `wrong`-th draft: whole blocks are accepted, some partially."""
 
-    def __init__(self, truths: dict[tuple[int, int], list[int]], wrong: int, vocab: int, block: int = BLOCK):
-        self.truths, self.wrong, self.vocab, self.block = truths, wrong, vocab, block
+    def __init__(self, truths: dict[tuple[int, int], list[int]], wrong: int, vocab: int, block: int = BLOCK,
+                 window: int = 8):
+        self.truths, self.wrong, self.vocab, self.block, self.window = truths, wrong, vocab, block, window
         self.calls = 0
 
     def observe(self, state, hidden) -> None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dsv41.engine.dspark_scheduler import Calibration, choose_lengths, prefix_survival
+from dsv41.engine.dspark_scheduler import Calibration, RoundChooser, choose_lengths, prefix_survival
 
 
 def _logit(p: float) -> float:
@@ -72,3 +72,21 @@ def test_calibration_starts_neutral_and_counts_only_positions_reached():
     calibration.observe(raw, 3, 0)  # the first draft rejected: positions 1 and 2 were never reached
     assert len(calibration.predicted) == 1 and calibration.accepted == [0]
     assert calibration.adjust(raw)[1:] == pytest.approx(raw[1:])
+
+
+@pytest.mark.parametrize("batch, spec_cost, faster", [(8, 0.6, False), (1, 0.12, True)])
+def test_round_chooser_keeps_the_faster_kind_and_tries_the_other_ever_less_often(batch, spec_cost, faster):
+    """Plain rounds emit `batch` tokens in 0.18 s (batch 8) or 0.09 s (batch 1), speculative ones 1.6
+    tokens per request in `spec_cost` s: each kind is tried once, then the faster one is kept and
+    the other tried after 8, 16, 32, 32 ... rounds."""
+    chooser, picks = RoundChooser(), []
+    plain_cost = 0.18 if batch == 8 else 0.09
+    for _ in range(300):
+        spec = chooser.speculate(batch)
+        picks.append(spec)
+        chooser.observe(batch, spec, round(1.6 * batch) if spec else batch, spec_cost if spec else plain_cost)
+    assert picks[:2] == [True, False]
+    assert (chooser.rate(batch, True) > chooser.rate(batch, False)) == faster
+    others = sum(p != faster for p in picks[2:])
+    assert 5 <= others <= 12  # tries after 8, 16, 32, 32, ... rounds
+    assert chooser.wait[batch] == 32

@@ -42,7 +42,8 @@ from dsv41.model.reference import Sampling, sample_next
 from dsv41.model.tokenizer import Detokenizer, token_bytes
 
 PREFILLS_IN_FLIGHT = 2  # prefills sent ahead, so the encoder never waits for the next prompt
-PROFILE_REPEATS = 2  # timed steps per size when the step cost is measured at start-up
+PROFILE_REPEATS = 3  # timed steps per size when the step cost is measured at start-up (the fastest counts)
+PROFILE_PROMPT = 64  # tokens of the throwaway sequence those steps extend
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Request:
     span_starts: list[int] = field(default_factory=list)
     text_from: int = 0  # the first position after the last image span (Engram rows are pushed from there)
     draft: DraftState | None = None  # the drafter's rings (speculative decoding)
+    unseen: list[torch.Tensor] = field(default_factory=list)  # main_hidden rows the rings have not taken in
     resume: int = -1  # where the next step starts when drafts of the last one were rejected (-1: its end)
     spec: SpecStats = field(default_factory=SpecStats)
 
@@ -214,13 +216,11 @@ class DSparkComponent(Component):
         self._emit(request, m.tensor(answer.logits, frames)[-1])
 
     def _seed(self, request: Request, hidden: torch.Tensor | None) -> None:
-        """The drafter's rings from the prompt's last positions the decoder returned."""
-        with Stopwatch() as watch:
-            request.draft = new_state(self.config)
-            request.draft.length = request.prompt_tokens - (0 if hidden is None else hidden.size(0))
-            if hidden is not None:
-                self.drafter.observe(request.draft, hidden)
-        self._drafter_time(request, watch.total)
+        """The drafter's state; its rings take in the prompt's last positions the decoder returned
+        when the request first drafts."""
+        request.draft = new_state(self.config)
+        request.draft.length = request.prompt_tokens - (0 if hidden is None else hidden.size(0))
+        self._observe(request, hidden)
 
     def _on_reply(self, message: m.Message, frames: list[memoryview]) -> None:
         request = self.prefilling.pop(message.request_id, None)
@@ -457,6 +457,8 @@ class DSparkComponent(Component):
     def _plan(self, batch: list[Request]) -> dict[int, Plan]:
         """Draft a block for every request (one drafter pass per temperature), then choose how many
         drafts each verifies: never past its max_new_tokens, at most `length`."""
+        for request in batch:
+            self._catch_up(request)
         with Stopwatch() as watch:
             drafted = {}
             for temperature in sorted({r.sampling.temperature for r in batch}):
@@ -503,11 +505,24 @@ class DSparkComponent(Component):
         self.active.append(request)
 
     def _observe(self, request: Request, hidden: torch.Tensor | None) -> None:
-        """The drafter's rings take the backbone states of the positions a step kept."""
+        """Keep the backbone states of the positions a step kept for the drafter's rings. They are
+        taken in when the request next drafts (`_catch_up`), so plain rounds do not pay for the
+        drafter; only the last `window` rows can reach a ring, so no more than twice that are held."""
         if hidden is None or request.draft is None:
             return
+        request.unseen.append(hidden)
+        if sum(rows.size(0) for rows in request.unseen) > 2 * self.drafter.window:
+            rows = torch.cat(request.unseen)
+            request.draft.length += rows.size(0) - self.drafter.window
+            request.unseen = [rows[-self.drafter.window :]]
+
+    def _catch_up(self, request: Request) -> None:
+        """The drafter's rings take in the rows kept since the request last drafted."""
+        if not request.unseen:
+            return
+        rows, request.unseen = torch.cat(request.unseen), []
         with Stopwatch() as watch:
-            self.drafter.observe(request.draft, hidden)
+            self.drafter.observe(request.draft, rows)
         self._drafter_time(request, watch.total)
 
     def _push(self, request: Request, token: int) -> bool:
@@ -543,31 +558,39 @@ class DSparkComponent(Component):
         self.counters["step_us"] += int(seconds * 1e6)
         if self.drafter is not None:
             self.cost.observe(tokens, seconds)
-            a, b = self.cost.fit()
-            self.counters["spec_cost_base_us"], self.counters["spec_cost_per_token_us"] = int(a * 1e6), int(b * 1e6)
+            self._publish_cost()
+
+    def _publish_cost(self) -> None:
+        a, b = self.cost.fit()
+        self.counters["spec_cost_base_us"], self.counters["spec_cost_per_token_us"] = int(a * 1e6), int(b * 1e6)
 
     def _profile(self) -> None:
-        """Time a few steps of 1..block+1 tokens of a throwaway sequence (the `auto` scheduler's
-        first cost curve; the real steps keep it current). If that fails the curve starts empty
-        and fills from the real steps."""
+        """Time steps of 1..block+1 tokens of a throwaway sequence (the `auto` scheduler's first
+        cost curve; the real steps keep it current): one untimed step first (first-call costs),
+        then the fastest of PROFILE_REPEATS steps of each size, so a slow start-up does not bend
+        the curve. If that fails the curve starts empty and fills from the real steps."""
         self.profiled = True
         rid, sizes = new_request_id(), range(1, self.drafter.block + 2)
-        prompt = [1] * 4
+        prompt = [1] * PROFILE_PROMPT
         try:
             self.encoder.send(m.Prefill(request_id=rid, ids=m.pack_ids(prompt), mode="ced",
-                                        capacity=len(prompt) + PROFILE_REPEATS * sum(sizes)))
+                                        capacity=len(prompt) + 1 + PROFILE_REPEATS * sum(sizes)))
             self._collect(self.timeout_s, until=rid)
+            self._timed_step(rid, 1)
             for size in sizes:
-                for _ in range(PROFILE_REPEATS):
-                    started = time.perf_counter()
-                    answer, _ = self._batch([m.StepItem(request_id=rid, ids=m.pack_ids([1] * size))])
-                    if answer.errors:
-                        raise ComponentError(answer.errors[0].code, answer.errors[0].component, answer.errors[0].text)
-                    self._step_time(size, time.perf_counter() - started)
+                self.cost.observe(size, min(self._timed_step(rid, size) for _ in range(PROFILE_REPEATS)))
+            self._publish_cost()
         except ComponentError:
             self.counters["spec_profile_failed"] += 1
         finally:
             self._release(rid)
+
+    def _timed_step(self, rid: int, size: int) -> float:
+        started = time.perf_counter()
+        answer, _ = self._batch([m.StepItem(request_id=rid, ids=m.pack_ids([1] * size))])
+        if answer.errors:
+            raise ComponentError(answer.errors[0].code, answer.errors[0].component, answer.errors[0].text)
+        return time.perf_counter() - started
 
 
 def _speculation(context: ComponentContext) -> tuple[Drafter | None, str, int]:

@@ -74,14 +74,19 @@ class Calibration:
 
 class RoundChooser:
     """Speculate this round or not: whichever kind of round has emitted more tokens per second
-    (drafting and stepping included) at this batch size, the other one every `explore`-th round;
-    each kind is tried first until it has a rate. A rate is decayed tokens over decayed seconds, so
-    one lucky or unlucky block does not flip the choice."""
+    (drafting and stepping included) at this batch size. The other kind is tried again after
+    `explore` rounds, and each try that confirms it is worse doubles that wait (up to `longest`, so
+    a change of load or of text is noticed within that many rounds):
+    at batch 8 a speculative round can cost three plain ones, so trying it often would cost more
+    than it finds. Each kind is tried first until it has a rate. A rate is decayed tokens over
+    decayed seconds, so one lucky or unlucky block does not flip the choice."""
 
-    def __init__(self, explore: int = 8, decay: float = 0.95):
-        self.explore, self.decay = explore, decay
+    def __init__(self, explore: int = 8, longest: int = 32, decay: float = 0.95):
+        self.explore, self.longest, self.decay = explore, longest, decay
         self.sums: dict[tuple[int, bool], tuple[float, float]] = {}  # (tokens, seconds)
-        self.rounds = 0
+        self.wait: dict[int, int] = {}  # rounds between tries of the worse kind, by batch size
+        self.since: dict[int, int] = {}  # rounds since the last try
+        self.trying: dict[int, bool] = {}  # the round chosen last was a try
 
     def rate(self, batch: int, speculated: bool) -> float | None:
         """Tokens per second of this kind of round at this batch size (None: not tried yet)."""
@@ -89,16 +94,26 @@ class RoundChooser:
         return None if got is None else got[0] / max(got[1], 1e-9)
 
     def speculate(self, batch: int) -> bool:
-        self.rounds += 1
         spec, plain = self.rate(batch, True), self.rate(batch, False)
         if spec is None or plain is None:
+            self.trying[batch] = False
             return spec is None
         best = spec >= plain
-        return (not best) if self.rounds % self.explore == 0 else best
+        self.since[batch] = self.since.get(batch, 0) + 1
+        self.trying[batch] = self.since[batch] >= self.wait.get(batch, self.explore)
+        if self.trying[batch]:
+            self.since[batch] = 0
+            return not best
+        return best
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         old_tokens, old_seconds = self.sums.get((batch, speculated), (0.0, 0.0))
         self.sums[(batch, speculated)] = (self.decay * old_tokens + tokens, self.decay * old_seconds + seconds)
+        if self.trying.get(batch):
+            spec, plain = self.rate(batch, True), self.rate(batch, False)
+            still_worse = (spec < plain) if speculated else (plain <= spec)
+            wait = self.wait.get(batch, self.explore)
+            self.wait[batch] = min(2 * wait, self.longest) if still_worse else self.explore
 
 
 def _sigmoid(logit: float) -> float:

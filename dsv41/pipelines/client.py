@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -20,3 +20,23 @@ def generate(peer: Peer, prompt: str = "", ids: list[int] | None = None, timeout
     request = m.Generate(request_id=new_request_id(), prompt=prompt, ids=m.pack_ids(ids) if ids else b"",
                          image_data=data, **options)
     yield from peer.stream(request, timeout_s, frames)
+
+
+def generate_together(new_peer: Callable[[], Peer], requests: list[m.Generate],
+                      timeout_s: float | None = None) -> list[tuple[list[int], m.Finished]]:
+    """Send every request at once, each on its own peer (the dspark component then steps them as one
+    batch), and read each stream to its end: the token ids and the `Finished` of each request."""
+    peers = [new_peer() for _ in requests]
+    out = []
+    try:
+        for peer, request in zip(peers, requests, strict=True):
+            peer.send(request)
+        for peer, request in zip(peers, requests, strict=True):
+            tokens = []
+            while not isinstance(event := peer.receive(request.request_id, timeout_s)[0], m.Finished):
+                tokens.append(event.token)
+            out.append((tokens, event))
+    finally:
+        for peer in peers:
+            peer.close()
+    return out
