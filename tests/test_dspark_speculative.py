@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv41.engine.core import InferenceCore
-from dsv41.engine.speculative import SpecStats, greedy_speculative, plain_greedy
+from dsv41.engine.speculative import SpecStats, greedy_speculative, hold_checkpoint, plain_greedy, rewind
 from dsv41.model.dspark import Drafter, build_dspark
 from dsv41.model.numerics import stable_numerics
 from dsv41.model.pages import PagePools
@@ -246,4 +246,26 @@ def test_truncate_refuses_lengths_outside_the_step(micro):
     for bad in (2, 7):
         with pytest.raises(ValueError, match="cannot truncate"):
             core.truncate(seq, saved, bad)
+    core.release(seq)
+
+
+def test_rewind_cuts_inside_the_last_verification_step_and_refuses_other_positions(micro):
+    """A step's `start` may be the sequence's length, a position inside its last verification step
+    (the step is cut there) or that step's checkpoint; anything else is refused with the positions
+    named, and the sequence is left as it was."""
+    core = InferenceCore(micro)
+    seq, _ = core.prefill([5, 6, 7, 8], mode="full", capacity=20)
+    hold_checkpoint(seq, True)
+    core.step(seq, [9, 10, 11, 12])  # positions 4..7 verified
+    for bad in (3, 9, 12):
+        with pytest.raises(ValueError, match=f"cannot step at position {bad}: the sequence holds 8 positions "
+                                             "and a checkpoint at position 4"):
+            rewind(seq, bad)
+        assert seq.cache.length == 8 and seq.saved is not None
+    rewind(seq, 8)  # at its length: nothing to do
+    assert seq.cache.length == 8 and seq.saved is not None
+    rewind(seq, 6)  # two of the four kept
+    assert seq.cache.length == 6 and seq.saved is None
+    with pytest.raises(ValueError, match="no checkpoint"):
+        rewind(seq, 5)
     core.release(seq)

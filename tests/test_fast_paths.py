@@ -6,11 +6,13 @@ often give the same bits; the golden data is checked in tests/test_parity.py.)""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsv41.checkpoint import load_model
 from dsv41.engine.core import InferenceCore
 from dsv41.model import layers
+from dsv41.model.numerics import opt_in, stable_numerics
 from dsv41.parity import FLOAT_TOLERANCE, compare, top2_gap
 
 
@@ -42,3 +44,18 @@ def test_fast_gemm_stays_within_the_parity_policy_on_small(monkeypatch, rng):
     assert row.passed and row.rel <= FLOAT_TOLERANCE, f"max abs {row.max_abs:.3g}, {row.rel:.3g} of the scale"
     flipped = got.argmax(-1) != want.argmax(-1)
     assert bool((top2_gap(want)[flipped] <= FLOAT_TOLERANCE * float(want.abs().max())).all())
+
+
+def test_a_fast_path_switch_takes_0_or_1_and_stays_off_where_it_must(monkeypatch):
+    monkeypatch.setenv("DSV41_FAST_GEMM", "yes")
+    with pytest.raises(ValueError, match=r"DSV41_FAST_GEMM='yes': use 0 \(reference numerics\) or 1"):
+        opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
+    monkeypatch.setenv("DSV41_FAST_GEMM", "1")
+    with torch.inference_mode():
+        assert opt_in("DSV41_FAST_GEMM", "x")
+        with stable_numerics():  # the exact oracle numerics win
+            assert not opt_in("DSV41_FAST_GEMM", "x")
+    assert not opt_in("DSV41_FAST_GEMM", "x")  # autograd on: training keeps the reference GEMM
+    monkeypatch.delenv("DSV41_FAST_GEMM")
+    with torch.inference_mode():
+        assert not opt_in("DSV41_FAST_GEMM", "x")
