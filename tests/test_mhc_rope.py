@@ -30,6 +30,21 @@ def test_sinkhorn_columns_always_sum_to_one_and_skewed_rows_need_more_iterations
     assert (comb.sum(-1) - 1).abs().max() < row_error_20 / 5
 
 
+def test_sinkhorn_through_numpy_gives_the_torch_iterations_bits(rng):
+    # Inference on the CPU runs the iterations through numpy; they must be the torch code's bits,
+    # at decode and prefill shapes, with spreads wide enough that some exponentials underflow.
+    eps, two = torch.tensor(1e-6), torch.tensor(2.0)
+    for shape, spread in (((1, 1), 1.0), ((8, 1), 3.0), ((1, 37), 10.0), ((2, 300), 40.0)):
+        mixes = torch.randn(*shape, 24, generator=rng) * spread
+        scale, base = torch.rand(3, generator=rng) * 2, torch.randn(24, generator=rng)
+        expected = mhc._split(mixes, scale, base, eps, two, 4, 20)
+        with torch.inference_mode():
+            got = mhc.sinkhorn_split(mixes, scale, base, hc=4, iters=20, eps=1e-6)
+        for want, have in zip(expected, got, strict=True):
+            assert torch.equal(want, have), shape
+    assert (mhc._gates(mixes, scale, base, eps, two, 4)[2] == 0).any()  # the widest spread underflows
+
+
 def test_sinkhorn_matches_official_golden():
     u = load_file(GOLDEN / "units.safetensors")
     pre, post, comb = mhc.sinkhorn_split(u["hc.mixes"], u["hc.scale"], u["hc.base"], 4, 20, 1e-6)
