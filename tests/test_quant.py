@@ -219,3 +219,16 @@ def test_block_scaled_matmul_adds_the_blocks_in_k_order(rng):
         want = want + partials[i] * a_scale[:, i : i + 1] * w_scale[:, i].unsqueeze(0)
     got = quant.block_scaled_matmul(a, a_scale, w, w_scale)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_grouped_block_scaled_matmul_is_each_groups_block_scaled_matmul(rng):
+    """Three groups (experts) in one batched GEMM give each group's `block_scaled_matmul` bits, with
+    weights of far-apart scales so that a different summation order would show."""
+    a, a_scale = quant.fp8_quant(torch.randn(3, 7, 192, generator=rng) * torch.rand(3, 7, 1, generator=rng) * 50)
+    w = torch.randn(3, 40, 192, generator=rng) * torch.exp(torch.randn(3, 40, 1, generator=rng) * 4)
+    w, w_scale = quant.fp8_quant(w)
+    a, w = a.float(), w.float()
+    got = quant.grouped_block_scaled_matmul(a, a_scale, quant.block_major(w), w_scale)
+    for g in range(3):
+        want = quant.block_scaled_matmul(a[g], a_scale[g], w[g], w_scale[g])
+        assert torch.equal(got[g].view(torch.int32), want.view(torch.int32))

@@ -51,9 +51,13 @@ class Linear(nn.Module):
         self._dequant: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
         self._scaled: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def version(self) -> tuple[int, int, int]:
+        """Changes whenever the weight or its scale does: the key of caches derived from them."""
+        return self.weight.data_ptr(), self.weight._version, self.scale._version
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Weight values (fp32, unscaled) and per-row per-32 scales, cached until the weight changes."""
-        key = (self.weight.data_ptr(), self.weight._version, self.scale._version)
+        key = self.version()
         if self._dequant is None or self._dequant[0] != key:
             if self.storage is Storage.FP4:
                 values, scale = unpack_e2m1(self.weight), self.scale.float()

@@ -7,7 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.model import numerics
-from dsv41.model.layers import Linear, QuantizedRows, Storage, quantize_rows
+from dsv41.model.layers import BLOCK, Linear, QuantizedRows, Storage, quantize_rows
+from dsv41.model.quant import block_major, grouped_block_scaled_matmul
+
+# A step of at most this many tokens runs its routed experts as one grouped GEMM per projection
+# (each expert's tokens padded to the busiest expert's count): below it the per-expert loop's
+# operator calls dominate; above it (prefill chunks) the padding would waste real work.
+GROUPED_MAX_TOKENS = 64
 
 
 class Gate(nn.Module):
@@ -62,14 +68,17 @@ class Expert(nn.Module):
         every expert)."""
         if quantized is None and self.w1.scale is not None:  # (fp32 masters in training have no scale)
             quantized = quantize_rows(x)
-        gate, up = self.w1(x, quantized).float(), self.w3(x, quantized).float()
+        hidden = self.activate(self.w1(x, quantized), self.w3(x, quantized), weights)
+        return self.w2(hidden.to(x.dtype))
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The clamped SwiGLU of the w1 (gate) and w3 (up) outputs, times the routing weights (fp32)."""
+        gate, up = gate.float(), up.float()
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)
         hidden = numerics.elementwise(F.silu, gate) * up
-        if weights is not None:
-            hidden = weights * hidden
-        return self.w2(hidden.to(x.dtype))
+        return hidden if weights is None else weights * hidden
 
 
 class MoE(nn.Module):
@@ -80,6 +89,7 @@ class MoE(nn.Module):
         self.gate = Gate(dim, n_experts, topk, route_scale, scoring, with_vision_bias, device)
         self.experts = nn.ModuleList(Expert(dim, inter, Storage.FP4, limit, device) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter, Storage.FP8, limit, device)
+        self._stacks: dict[tuple[str, bool], tuple[tuple, tuple[torch.Tensor, ...]]] = {}
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
                 routing: dict | None = None) -> torch.Tensor:
@@ -90,15 +100,77 @@ class MoE(nn.Module):
         weights, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         if routing is not None:
             routing.update(gate_indices=ids, gate_weights=weights)
-        y = torch.zeros_like(x, dtype=torch.float32)
         quantized = quantize_rows(x) if self.shared_experts.w1.scale is not None else None
+        if quantized is not None and 1 < x.size(0) <= GROUPED_MAX_TOKENS and not torch.is_grad_enabled():
+            y = self._routed_grouped(x, weights, ids, quantized)
+        else:
+            y = self._routed_per_expert(x, weights, ids, quantized)
+        y += self.shared_experts(x, quantized=quantized)
+        return y.type_as(x).view(shape)
+
+    def _routed_per_expert(self, x, weights, ids, quantized: QuantizedRows | None) -> torch.Tensor:
+        """The routed experts' outputs summed per token [n, dim] (fp32), one expert at a time."""
+        y = torch.zeros_like(x, dtype=torch.float32)
         if x.size(0) == 1:  # a decode step: every chosen expert takes the one row, no gathers
             for e, slot in sorted((e, slot) for slot, e in enumerate(ids[0].tolist())):
                 y += self.experts[e](x, weights[:, slot, None], quantized)
+            return y
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            picked = None if quantized is None else (quantized[0][rows], quantized[1][rows])
+            y[rows] += self.experts[e](x[rows], weights[rows, slot, None], picked)
+        return y
+
+    def _routed_grouped(self, x, weights, ids, quantized: QuantizedRows) -> torch.Tensor:
+        """`_routed_per_expert` with each projection of every expert in use as one batched GEMM:
+        the experts' rows are padded to the busiest one's count (padding rows carry weight 0 and
+        are dropped), and each token's outputs are added in increasing expert id as there."""
+        n, k = ids.shape
+        used, group, counts = torch.unique(ids.flatten(), return_inverse=True, return_counts=True)
+        width = int(counts.max())
+        order = torch.argsort(group, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(n * k) - (counts.cumsum(0) - counts)[group[order]]
+        padded = group * width + rank  # row of each (token, slot) pair in [experts in use * width]
+        tokens = torch.arange(n).repeat_interleave(k)
+        rows = torch.zeros(used.numel() * width, dtype=torch.long).index_put_((padded,), tokens)
+        row_weights = torch.zeros(rows.numel(), 1).index_put_((padded,), weights.reshape(-1, 1))
+        q = quantized[0][rows].unflatten(0, (-1, width)), quantized[1][rows].unflatten(0, (-1, width))
+        gate, up = self._grouped_linear("w1", used, q), self._grouped_linear("w3", used, q)
+        hidden = self.experts[0].activate(gate, up, row_weights.unflatten(0, (-1, width))).to(x.dtype)
+        hidden_q = tuple(t.unflatten(0, (-1, width)) for t in quantize_rows(hidden.flatten(0, 1)))
+        out = self._grouped_linear("w2", used, hidden_q).flatten(0, 1)
+        by_expert = out[padded.view(n, k).gather(1, ids.argsort(dim=1))]  # [n, k, dim], ascending expert id
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for slot in range(k):
+            y += by_expert[:, slot]
+        return y
+
+    def _grouped_linear(self, name: str, used: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Projection `name` (w1, w2 or w3) of the experts `used` over their padded FP8 rows q
+        ([experts, width, K] values, [experts, width, K/32] scales) -> [experts, width, N] bf16,
+        as each expert's `Linear` computes it (the fast GEMM when DSV41_FAST_GEMM=1)."""
+        fast = numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
+        stacked = self._stacked(name, fast)
+        if used.numel() < len(self.experts):
+            stacked = tuple(t[used] for t in stacked)
+        if fast:
+            y = torch.bmm((q[0].unflatten(-1, (-1, BLOCK)) * q[1].unsqueeze(-1)).flatten(-2), stacked[0])
         else:
-            for e in torch.unique(ids).tolist():
-                rows, slot = torch.where(ids == e)
-                picked = None if quantized is None else (quantized[0][rows], quantized[1][rows])
-                y[rows] += self.experts[e](x[rows], weights[rows, slot, None], picked)
-        y += self.shared_experts(x, quantized=quantized)
-        return y.type_as(x).view(shape)
+            y = grouped_block_scaled_matmul(q[0], q[1], *stacked, BLOCK)
+        return y.to(torch.bfloat16)
+
+    def _stacked(self, name: str, fast: bool) -> tuple[torch.Tensor, ...]:
+        """Every routed expert's projection `name` stacked, cached until a weight changes: their real
+        values [E, K, N] for the fast GEMM, else block-major values and per-row scales."""
+        linears = [getattr(expert, name) for expert in self.experts]
+        key = tuple(linear.version() for linear in linears)
+        cached = self._stacks.get((name, fast))
+        if cached is None or cached[0] != key:
+            if fast:
+                stacked = (torch.stack([linear.scaled() for linear in linears]),)
+            else:
+                values, scales = zip(*(linear.dequantized() for linear in linears), strict=True)
+                stacked = (block_major(torch.stack(values), BLOCK), torch.stack(scales))
+            cached = self._stacks[(name, fast)] = (key, stacked)
+        return cached[1]

@@ -144,9 +144,36 @@ def block_scaled_matmul(
     m, k = a.shape
     n, nk = w.size(0), k // block
     partials = numerics.bmm(a.view(m, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
-    # every block's (partial * a_scale) * w_scale at once, then the blocks added in K order from +0
-    # (a loop of in-place adds: a cumsum or sum would accumulate in another order or in double)
-    scaled = partials.mul_(a_scale.t().unsqueeze(-1)).mul_(w_scale.t().unsqueeze(1))
+    return _add_scaled_blocks(partials, a_scale.t(), w_scale.t())
+
+
+def block_major(w: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Stacked weights [G, N, K] -> [G, K/block, N, block]: every 32-wide block of a group's weight
+    in one contiguous matrix, the layout `grouped_block_scaled_matmul` multiplies without copying."""
+    g, n, k = w.shape
+    return w.view(g, n, k // block, block).transpose(1, 2).contiguous()
+
+
+def grouped_block_scaled_matmul(
+    a: torch.Tensor, a_scale: torch.Tensor, w_blocks: torch.Tensor, w_scale: torch.Tensor, block: int = 32
+) -> torch.Tensor:
+    """`block_scaled_matmul` of G groups in one batched GEMM (the routed experts of a MoE step):
+    a [G, M, K] and a_scale [G, M, K/block] as there, w_blocks [G, K/block, N, block] (`block_major`)
+    and w_scale [G, N, K/block]. Each group's result [G, M, N] is summed as `block_scaled_matmul`
+    sums it: exact products per block, then the blocks added in K order from +0."""
+    g, m, k = a.shape
+    nk, n = k // block, w_blocks.size(2)
+    a_blocks = a.view(g, m, nk, block).transpose(1, 2).reshape(g * nk, m, block)
+    partials = numerics.bmm(a_blocks, w_blocks.flatten(0, 1).transpose(1, 2)).view(g, nk, m, n).transpose(0, 1)
+    return _add_scaled_blocks(partials, a_scale.permute(2, 0, 1), w_scale.permute(2, 0, 1))
+
+
+def _add_scaled_blocks(partials: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """partials [K/block, ..., M, N] (one block's products each), a_scale [K/block, ..., M], w_scale
+    [K/block, ..., N]: every block's (partial * a_scale) * w_scale at once, then the blocks added in
+    K order from +0 (a loop of in-place adds: a cumsum or sum would accumulate in another order or
+    in double)."""
+    scaled = partials.mul_(a_scale.unsqueeze(-1)).mul_(w_scale.unsqueeze(-2))
     first, *rest = scaled.unbind(0)
     acc = first + numerics.scalar(0.0)  # +0 + first, as a sum from +0 starts (x + 0 == 0 + x, -0 included)
     for part in rest:

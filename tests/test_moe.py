@@ -1,0 +1,60 @@
+"""Routed experts as grouped GEMMs (steps of 2..GROUPED_MAX_TOKENS tokens: batched decode, DSpark
+verification, short chunks) against the per-expert loop: the same bits in every numerics mode,
+including after a weight changes under the stacked-weight cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.checkpoint import load_model
+from dsv41.model import moe as moe_module
+from dsv41.model.layers import quantize_rows
+from dsv41.model.numerics import stable_numerics
+
+
+@pytest.fixture(scope="module")
+def moes() -> list[moe_module.MoE]:
+    model, _ = load_model("small")
+    model.eval()
+    return [m for m in model.modules() if isinstance(m, moe_module.MoE)]
+
+
+def _both(moe: moe_module.MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids = moe.gate(x)
+    quantized = quantize_rows(x)
+    return moe._routed_per_expert(x, weights, ids, quantized), moe._routed_grouped(x, weights, ids, quantized)
+
+
+@pytest.mark.parametrize("fast_gemm", ["0", "1"])
+@pytest.mark.parametrize("stable", [False, True])
+def test_grouped_experts_give_the_per_expert_bits(moes, rng, monkeypatch, fast_gemm, stable):
+    monkeypatch.setenv("DSV41_FAST_GEMM", fast_gemm)
+    with stable_numerics(stable), torch.inference_mode():
+        for moe in (moes[0], moes[-1]):
+            for n in (2, 7, moe_module.GROUPED_MAX_TOKENS):
+                x = (torch.randn(n, moe.dim, generator=rng) * torch.rand(n, 1, generator=rng) * 4).bfloat16()
+                want, got = _both(moe, x)
+                assert torch.equal(want.view(torch.int32), got.view(torch.int32)), n
+
+
+def test_forward_groups_short_steps_only_and_rebuilds_stacks_after_a_weight_change(moes, rng, monkeypatch):
+    moe = moes[1]
+    calls = []
+    grouped = moe._routed_grouped
+    monkeypatch.setattr(moe, "_routed_grouped", lambda *a: calls.append(a[0].size(0)) or grouped(*a))
+    with torch.inference_mode():
+        for n in (1, 8, moe_module.GROUPED_MAX_TOKENS + 1):
+            moe(torch.randn(1, n, moe.dim, generator=rng).bfloat16())
+        assert calls == [8]
+        x = torch.randn(12, moe.dim, generator=rng).bfloat16()
+        before = _both(moe, x)[1]
+        w1 = moe.experts[int(moe.gate(x)[1][0, 0])].w1
+        saved = w1.weight.clone()
+        try:
+            w1.weight.copy_(torch.roll(saved, 1, dims=0))  # another expert's worth of values
+            want, got = _both(moe, x)
+            assert torch.equal(want, got) and not torch.equal(got, before)
+        finally:
+            w1.weight.copy_(saved)
+        assert torch.equal(_both(moe, x)[1], before)
