@@ -134,7 +134,7 @@ class MoE(nn.Module):
         padded = group * width + rank  # row of each (token, slot) pair in [experts in use * width]
         tokens = torch.arange(n).repeat_interleave(k)
         rows = torch.zeros(used.numel() * width, dtype=torch.long).index_put_((padded,), tokens)
-        row_weights = torch.zeros(rows.numel(), 1).index_put_((padded,), weights.reshape(-1, 1))
+        row_weights = weights.new_zeros(rows.numel(), 1).index_put_((padded,), weights.reshape(-1, 1))
         q = quantized[0][rows].unflatten(0, (-1, width)), quantized[1][rows].unflatten(0, (-1, width))
         gate, up = self._grouped_linear("w1", used, q), self._grouped_linear("w3", used, q)
         hidden = self.experts[0].activate(gate, up, row_weights.unflatten(0, (-1, width))).to(x.dtype)
