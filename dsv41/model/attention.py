@@ -247,28 +247,38 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention | SharedBatch) -> torch.Tensor:
         """x [b, s, dim] after attn_norm at positions shared.start..; `table` holds RoPE rows from
         position 0 on. Without a cache only start 0; with one, any start and length (a one-token
-        step on a packed cache reads it through the packed-cache kernels). A `SharedBatch` of one
-        decode token per sequence (x [1, B, dim]) runs as one batch: projections and the attention
-        kernel once, ring writes, compressor and indexer per sequence on its own state."""
+        step on a packed cache reads it through the packed-cache kernels). A `SharedBatch` (x [1,
+        sum of sizes, dim]) runs the projections once over all its tokens; one decode token per
+        sequence also runs the attention kernel once (ring writes, compressor and indexer use each
+        sequence's own state), other batches attend per sequence."""
         b, s, _ = x.shape
         if isinstance(shared, SharedBatch):
-            rows = table[torch.tensor([part.start for part in shared.parts])]
+            rows = table[torch.cat([torch.arange(p.start, p.start + n) for p, n in zip(shared.parts, shared.sizes,
+                                                                                       strict=True)])]
         else:
             rows = table[shared.start : shared.start + s]
         qr = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
         kv = rotate(self.kv_norm(self.wkv(x)), rows)
-        if isinstance(shared, SharedBatch):
+        if isinstance(shared, SharedBatch) and shared.one_decode_token_each:
             o = self._decode_packed(x, qr, q[0], kv, table, shared.parts).unsqueeze(0)
-        elif shared.start > 0 and s == 1 and shared.cache.packed:
-            o = self._decode_packed(x, qr, q[:, 0], kv, table, [shared]).unsqueeze(1)
-        elif self.training:
-            o = self._attend_training(x, qr, q, kv, table, shared)
+        elif isinstance(shared, SharedBatch):
+            pieces = [piece.split(shared.sizes, dim=1) for piece in (x, qr, q, kv)]
+            o = torch.cat([self._attend_one(*piece, table, part)
+                           for *piece, part in zip(*pieces, shared.parts, strict=True)], dim=1)
         else:
-            o = self._attend(x, qr, q, kv, table, shared)
+            o = self._attend_one(x, qr, q, kv, table, shared)
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
         o = numerics.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
         return self.wo_b(o.flatten(2))
+
+    def _attend_one(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
+        """One sequence's attention over its projected tokens: [b, s, heads, head_dim]."""
+        if shared.start > 0 and x.size(1) == 1 and shared.cache.packed:
+            return self._decode_packed(x, qr, q[:, 0], kv, table, [shared]).unsqueeze(1)
+        if self.training:
+            return self._attend_training(x, qr, q, kv, table, shared)
+        return self._attend(x, qr, q, kv, table, shared)
 
     def _attend(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
         """Attention over values in hand (a forward from position 0, or a bf16 decode cache)."""

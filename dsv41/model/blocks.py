@@ -40,7 +40,7 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hc, dim]; pre_mix is the previous sub-layer's pre. Returns (stream, ffn pre)."""
         attn_pre, attn_post, attn_comb = self.coefficients(x, "attn")
-        attn_out = self._attention(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
+        attn_out = self.attn(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
         # one pass: residual update, the FFN's input collapse and its coefficient prediction
         x, ffn_in, ffn_pre, ffn_post, ffn_comb = dispatch.mhc_update(
             x, attn_out, attn_post, attn_comb, attn_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
@@ -55,14 +55,6 @@ class Block(nn.Module):
             for name, value in recorded.items():
                 shared.trace.put(self.spec.layer_id, name, value)
         return x, ffn_pre
-
-
-    def _attention(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention | SharedBatch) -> torch.Tensor:
-        if isinstance(shared, SharedAttention) or shared.one_decode_token_each:
-            return self.attn(x, table, shared)
-        parts = x.split(shared.sizes, dim=1)
-        return torch.cat([self.attn(part, table, one) for part, one in zip(parts, shared.parts, strict=True)], dim=1)
-
 
 def _fp32(device, *shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.float32, device=device), requires_grad=False)
