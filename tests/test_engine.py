@@ -202,7 +202,9 @@ def test_a_second_request_reuses_the_first_ones_stored_global_kv(micro, rng, tmp
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_one_step_batched_over_sequences_of_different_lengths_equals_separate_steps(micro, rng, packed):
-    """Prompts shorter and longer than W, one to three tokens each, eight rounds of greedy decoding."""
+    """Prompts shorter and longer than W, one to three tokens each (several sequences extending
+    their windows by verification-sized steps in the same batch, beside one-token steps), eight
+    rounds of greedy decoding; afterwards every SWA ring holds the same bytes."""
     core = InferenceCore(micro, chunk_size=16)
     prompts = [_prompt(rng, n) for n in (5, 13, 40)]
     with stable_numerics():
@@ -210,8 +212,7 @@ def test_one_step_batched_over_sequences_of_different_lengths_equals_separate_st
         batched = [core.prefill(ids, "ced", packed=packed) for ids in prompts]
         next_tokens = [[int(logits.argmax())] for _, logits in alone]
         for round_ in range(8):
-            step = [tokens + _prompt(rng, 2) if round_ == 3 and i == 1 else tokens
-                    for i, tokens in enumerate(next_tokens)]  # a three-token verification in the batch
+            step = [tokens + _prompt(rng, (round_ + i) % 3) for i, tokens in enumerate(next_tokens)]
             expected = [core.step(seq, tokens) for (seq, _), tokens in zip(alone, step, strict=True)]
             got = core.step_batch([seq for seq, _ in batched], step)
             for e, g in zip(expected, got, strict=True):
@@ -219,3 +220,5 @@ def test_one_step_batched_over_sequences_of_different_lengths_equals_separate_st
             next_tokens = [[int(e[-1].argmax())] for e in expected]
     for (a, _), (b, _) in zip(alone, batched, strict=True):
         assert a.cache.length == b.cache.length and a.counters == b.counters
+        for layer, ring in a.cache.windows.items():
+            assert torch.equal(ring.data, b.cache.windows[layer].data), layer

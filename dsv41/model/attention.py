@@ -262,10 +262,12 @@ class Attention(nn.Module):
         kv = rotate(self.kv_norm(self.wkv(x)), rows)
         if isinstance(shared, SharedBatch) and shared.one_decode_token_each:
             o = self._decode_packed(x, qr, q[0], kv, table, shared.parts).unsqueeze(0)
-        elif isinstance(shared, SharedBatch):
+        elif isinstance(shared, SharedBatch) and self.training:
             pieces = [piece.split(shared.sizes, dim=1) for piece in (x, qr, q, kv)]
-            o = torch.cat([self._attend_one(*piece, table, part)
+            o = torch.cat([self._attend_training(*piece, table, part)
                            for *piece, part in zip(*pieces, shared.parts, strict=True)], dim=1)
+        elif isinstance(shared, SharedBatch):
+            o = self._attend_batch(x, qr, q, kv, table, rows, shared)
         else:
             o = self._attend_one(x, qr, q, kv, table, shared)
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
@@ -282,16 +284,60 @@ class Attention(nn.Module):
 
     def _attend(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
         """Attention over values in hand (a forward from position 0, or a bf16 decode cache)."""
-        kv, idx = self._window(kv, shared)
+        values, idx = self._keys_and_table(x, qr, kv, table, shared)
+        return sparse_attention(q, values, self.attn_sink, idx, self.head_dim**-0.5)
+
+    def _attend_batch(self, x, qr, q, kv, table, rows, batch: SharedBatch) -> torch.Tensor:
+        """Several sequences' tokens, any number each (x [1, sum of sizes, dim]): each sequence's
+        keys and index table come from its own state, then one attention call covers them all
+        (the keys side by side, each table shifted to its keys and padded with unused slots). The
+        index queries of every token are computed once."""
+        query = self.indexer.query(x, qr, rows) if self.indexer is not None else None
+        windows = self._extended_windows(kv, batch)
+        keys, tables, first, offset = [], [], 0, 0
+        for part, size, window in zip(batch.parts, batch.sizes, windows, strict=True):
+            mine = slice(first, first + size)
+            own_query = None if query is None else (query[0][:, mine], query[1][:, mine])
+            own_window = None if window is None else (window[0], window[1][:, mine], window[2][:, mine])
+            values, idx = self._keys_and_table(x[:, mine], qr[:, mine], kv[:, mine], table, part, own_query,
+                                               own_window)
+            keys.append(values)
+            tables.append(torch.where(idx >= 0, idx + offset, -1))
+            first, offset = first + size, offset + values.size(1)
+        width = max(idx.size(-1) for idx in tables)
+        idx = torch.cat([F.pad(idx, (0, width - idx.size(-1)), value=-1) for idx in tables], dim=1)
+        return sparse_attention(q, torch.cat(keys, dim=1), self.attn_sink, idx, self.head_dim**-0.5)
+
+    def _extended_windows(self, kv: torch.Tensor, batch: SharedBatch) -> list[tuple | None]:
+        """For each sequence of the batch that steps several tokens after position 0 (the window
+        extends its ring): its ring's values before this step, and the batch's new rows as values
+        (FP8) and in the rings' stored form, each quantized once for the whole batch; None for the
+        others, or for all when their rings are not of one form."""
+        layer = self.spec.layer_id
+        extending = [part.start > 0 and size > 1 for part, size in zip(batch.parts, batch.sizes, strict=True)]
+        rings = [part.cache.windows[layer] for part, on in zip(batch.parts, extending, strict=True) if on]
+        if not rings or any((ring.packed, ring.fmt) != (rings[0].packed, rings[0].fmt) for ring in rings):
+            return [None] * len(batch.parts)
+        history = rings[0].values(torch.cat([ring.data for ring in rings])).split(1)
+        new_values, new_stored = fp8_qdq(kv), rings[0].stored(kv)
+        history_of = iter(history)
+        return [(next(history_of), new_values, new_stored) if on else None for on in extending]
+
+    def _keys_and_table(self, x, qr, kv, table, shared: SharedAttention, query=None,
+                        window=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys this forward attends over [b, n, head_dim] (window rows, then the chosen global
+        entries) and each query's slots in them [b, s, width] (-1 unused); `query`: the indexer's
+        queries of x, `window`: the `_extended_windows` entry of x, when the caller has them."""
+        kv, idx = self._window(kv, shared, window)
         if self.spec.ratio:
-            entry_idx = self._global_branch(x, qr, table, shared)
+            entry_idx = self._global_branch(x, qr, table, shared, query)
             _record(shared, self.spec.layer_id, "compress_topk_idxs",
                     torch.where(entry_idx >= 0, entry_idx + kv.size(1), -1))
             entries, local_idx = self._entries(entry_idx, shared)
             local_idx = official_width(local_idx)
             idx = torch.cat([idx, torch.where(local_idx >= 0, local_idx + kv.size(1), -1)], dim=-1)
             kv = torch.cat([kv, entries], dim=1)
-        return sparse_attention(q, kv, self.attn_sink, idx, self.head_dim**-0.5)
+        return kv, idx
 
     def _attend_training(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
         """Training (from position 0, no cache): the entries inference picks (every visible one in
@@ -354,9 +400,9 @@ class Attention(nn.Module):
         return dispatch.sparse_attention_decode(q, torch.cat([ring.data for ring in rings]), slots, main, entry_idx,
                                                 self.attn_sink, self.head_dim**-0.5)
 
-    def _window(self, kv: torch.Tensor, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, kv: torch.Tensor, shared: SharedAttention, prepared=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The SWA keys this forward attends over (FP8) and each query's slots in them; kv are the
-        unquantized post-RoPE rows of this forward."""
+        unquantized post-RoPE rows of this forward (`prepared`: see `_window_extend`)."""
         b, s, start = kv.size(0), kv.size(1), shared.start
         cache = shared.cache
         if start == 0:
@@ -368,17 +414,24 @@ class Attention(nn.Module):
         if s == 1:
             ring.write(slice(start % self.window, start % self.window + 1), kv)
             return ring.read(), ring_indices(start, self.window).int().expand(b, -1, -1)
-        return self._window_extend(kv, ring, shared)
+        return self._window_extend(kv, ring, shared, prepared)
 
-    def _window_extend(self, kv: torch.Tensor, ring, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window_extend(self, kv: torch.Tensor, ring, shared: SharedAttention,
+                       prepared=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Several queries after position 0: the ring's history (positions from the window floor
-        on) and this forward's rows; each query sees positions max(floor, p-W+1)..p."""
+        on) and this forward's rows; each query sees positions max(floor, p-W+1)..p. `prepared`:
+        (the ring's values before this step, kv as FP8 values, kv in the ring's stored form) when
+        a batch computed them for all its sequences at once."""
         b, s, start, w = kv.size(0), kv.size(1), shared.start, self.window
         first = max(shared.window_floor, start - w)
         history = torch.arange(first, start)
-        values = torch.cat([ring.read()[:, history % w], fp8_qdq(kv)], dim=1)
+        ring_values, new_values, new_stored = prepared or (ring.read(), fp8_qdq(kv), None)
+        values = torch.cat([ring_values[:, history % w], new_values], dim=1)
         kept = torch.arange(max(0, s - w), s)
-        ring.write((start + kept) % w, kv[:, kept])
+        if new_stored is None:
+            ring.write((start + kept) % w, kv[:, kept])
+        else:
+            ring.data[:, (start + kept) % w] = new_stored[:, kept]
         positions = (start + torch.arange(s)).unsqueeze(1) - w + 1 + torch.arange(w)
         idx = torch.where(positions >= max(first, 0), positions - first, -1)
         return values, valid_first(idx).int().expand(b, -1, -1)
@@ -413,13 +466,19 @@ class Attention(nn.Module):
 
     def _entries(self, entry_idx: torch.Tensor, shared: SharedAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """Main-KV values to attend over and each query's positions in them. A forward from position
-        0 has the group's entries in hand; a decode step gathers only its Top-k from the cache."""
+        0 has the group's entries in hand; a later step of one sequence gathers only the entries its
+        queries picked (each row's entries keep their order), from the cache."""
         source = shared.main_kv[self.spec.kv_owner]
         total = (shared.start + entry_idx.size(1)) // self.spec.ratio
         if isinstance(source, torch.Tensor):  # entries produced in this forward from position 0
             return source[:, :total], entry_idx
-        if entry_idx.size(1) > 1:
+        if entry_idx.size(1) > 1 and entry_idx.size(0) > 1:
             return source.read(slice(0, total)), entry_idx
+        if entry_idx.size(1) > 1:  # only the entries some query picked: the cost does not grow with the context
+            picked = entry_idx >= 0
+            ids, inverse = torch.unique(entry_idx[picked], return_inverse=True)
+            local = torch.full_like(entry_idx, -1).index_put_((picked,), inverse.to(entry_idx.dtype))
+            return source.gather(ids.unsqueeze(0)), local
         k = entry_idx.size(-1)
         local = torch.where(entry_idx >= 0, torch.arange(k, dtype=entry_idx.dtype), -1)
         return source.gather(entry_idx[:, 0]), local

@@ -43,12 +43,18 @@ class EntryStore:
 
     def write(self, rows: torch.Tensor | slice, values: torch.Tensor) -> None:
         """Quantize unquantized rows into the store (both forms hold the same values)."""
-        quantize = dispatch.pack_rows if self.packed else quantize_dequantize
-        self.data[:, rows] = quantize(values, self.fmt)
+        self.data[:, rows] = self.stored(values)
+
+    def stored(self, values: torch.Tensor) -> torch.Tensor:
+        """Unquantized rows in this store's form (packed bytes, or their bf16 values)."""
+        return (dispatch.pack_rows if self.packed else quantize_dequantize)(values, self.fmt)
+
+    def values(self, data: torch.Tensor) -> torch.Tensor:
+        """Stored rows (of this store or another of its form) as values."""
+        return unpack_rows(data, self.fmt) if self.packed else data
 
     def read(self, rows: slice | None = None) -> torch.Tensor:
-        data = self.data if rows is None else self.data[:, rows]
-        return unpack_rows(data, self.fmt) if self.packed else data
+        return self.values(self.data if rows is None else self.data[:, rows])
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows by entry id idx [b, k] (-1 reads row 0; callers mask it) -> values [b, k, dim]."""
