@@ -82,15 +82,22 @@ def test_equal_block_scores_fall_as_the_official_top_k_has_them_and_by_the_fixed
 # config validator refuses such a pool; the model is built past it to test the fallback).
 @pytest.mark.parametrize("blocks", [2, 4])
 def test_decode_ranking_only_the_pool_equals_masking_every_entry(rng, blocks, monkeypatch):
-    """A Reindex decode step on a packed cache scores and ranks only the pool's entry ids; a traced
-    step masks full-width scores the way the reference does. Both pick the same entries."""
+    """A Reindex decode step on a packed cache scores and ranks only the pool's entry ids (the
+    batched selection, here of one sequence); a traced step masks full-width scores the way the
+    reference does. Both pick the same entries."""
     data = config_to_dict(load_config("micro"))
     data["text_config"]["candidate_topk_blocks"] = blocks
     model = random_model(msgspec.convert(data, ModelConfig) if blocks == 2 else config_from_dict(data), seed=3)
-    in_pool = []
-    original = Attention._select_in_pool
-    monkeypatch.setattr(Attention, "_select_in_pool",
-                        lambda *args: in_pool.append(original(*args)) or in_pool[-1])
+    ranked_in_pool = []
+    original = Attention._select_batch
+
+    def observe(self, parts, query):
+        picked = original(self, parts, query)
+        if self.spec.candidate_consumer:
+            ranked_in_pool.append(picked is not None)
+        return picked
+
+    monkeypatch.setattr(Attention, "_select_batch", observe)
     prompt = torch.randint(3, 320, (1, 45), generator=rng)
     caches = [DecodeCache.allocate(model.config, 1, 80, packed=True) for _ in range(2)]
     with torch.inference_mode():
@@ -100,6 +107,5 @@ def test_decode_ranking_only_the_pool_equals_masking_every_entry(rng, blocks, mo
             masked = model(ids[1], cache=caches[1], trace=Trace()).logits[:, -1]
             assert torch.equal(pooled, masked)
             ids = [pooled.argmax(-1, keepdim=True)] * 2
-    ranked_in_pool = [picked is not None for picked in in_pool]
     assert len(ranked_in_pool) == 11 * sum(s.mode is Mode.REINDEX for s in model.plan.backbone)
     assert all(ranked_in_pool) if blocks == 4 else 0 < sum(ranked_in_pool) < len(ranked_in_pool)

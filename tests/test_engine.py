@@ -222,3 +222,43 @@ def test_one_step_batched_over_sequences_of_different_lengths_equals_separate_st
         assert a.cache.length == b.cache.length and a.counters == b.counters
         for layer, ring in a.cache.windows.items():
             assert torch.equal(ring.data, b.cache.windows[layer].data), layer
+
+
+def test_batched_decode_selection_picks_what_each_sequence_picks_alone(rng, monkeypatch):
+    """One decode token per sequence selects its index entries for the whole batch at once
+    (`Attention._select_batch`); in default numerics it must pick what the per-sequence path picks,
+    rows tied at the k-th place included (they take the official top-k of their own row), so the
+    logits and the scored-entry counters are the same bits."""
+    from dsv41.checkpoint import load_model
+    from dsv41.model import attention
+
+    model, _ = load_model("small")
+    model.eval()
+    core = InferenceCore(model)
+    vocab = model.config.text_config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in (4, 60, 130, 170, 210, 260)]
+
+    def run() -> tuple[list[torch.Tensor], list[dict]]:
+        seqs = [core.prefill(ids, capacity=320, packed=True) for ids in prompts]
+        tokens = [[int(logits.argmax())] for _, logits in seqs]
+        rows = []
+        for _ in range(8):
+            out = core.step_batch([seq for seq, _ in seqs], tokens)
+            rows += out
+            tokens = [[int(logits[-1].argmax())] for logits in out]
+        counters = [dict(seq.counters.indexer_scored) for seq, _ in seqs]
+        for seq, _ in seqs:
+            core.release(seq)
+        return rows, counters
+
+    tied_rows = []
+    official_pick = attention.Attention._official_pick
+    monkeypatch.setattr(attention.Attention, "_official_pick",
+                        lambda self, *a: tied_rows.append(1) or official_pick(self, *a))
+    batched = run()
+    assert tied_rows, "no row was tied at the k-th place: the test lost its point"
+    monkeypatch.setattr(attention.Attention, "_select_batch", lambda self, parts, query: None)
+    alone = run()
+    assert batched[1] == alone[1]
+    for got, want in zip(batched[0], alone[0], strict=True):
+        assert torch.equal(got, want)

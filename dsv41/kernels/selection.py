@@ -44,7 +44,12 @@ def official_topk(scores: torch.Tensor, k: int, by_value: bool = False) -> torch
 def tie_at_boundary(scores: torch.Tensor, k: int) -> bool:
     """Whether some row's k-th and (k+1)-th best scores are equal (finite): the case where which
     entries are kept depends on the tie policy."""
+    return bool(ties_at_boundary(scores, k).any())
+
+
+def ties_at_boundary(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`tie_at_boundary` of each row: a bool per row (scores [..., n] -> [...])."""
     if scores.size(-1) <= k:
-        return False
+        return torch.zeros(scores.shape[:-1], dtype=torch.bool)
     best = scores.float().topk(k + 1, dim=-1).values
-    return bool(((best[..., k - 1] == best[..., k]) & best[..., k].isfinite()).any())
+    return (best[..., k - 1] == best[..., k]) & best[..., k].isfinite()

@@ -16,11 +16,12 @@ from torch import nn
 
 from dsv41.config import LayerSpec, Mode, TextConfig
 from dsv41.kernels import dispatch
-from dsv41.kernels.selection import official_topk, tie_at_boundary, topk_entries
+from dsv41.kernels.selection import official_topk, tie_at_boundary, ties_at_boundary, topk_entries
 from dsv41.kernels.torch_ops import candidate_entries, pool_mask, sparse_attention
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
 from dsv41.model.layers import Linear, RMSNorm, Storage
+from dsv41.model.pages import PagedEntries
 from dsv41.model.quant import fp8_qdq, main_kv_qdq, mxfp4_qdq
 from dsv41.model.rope import rotate
 from dsv41.model.trace import Trace
@@ -388,15 +389,14 @@ class Attention(nn.Module):
             main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
         else:
             query = self.indexer.query(x, qr, table[starts]) if self.indexer is not None else None
-            entries = []
+            entry_idx = self._decode_entries(x, qr, table, parts, query)
             for i, part in enumerate(parts):
-                mine = None if query is None else (query[0][:, i : i + 1], query[1][:, i : i + 1])
-                entry_idx = self._global_branch(x[:, i : i + 1], qr[:, i : i + 1], table, part, mine)[:, 0]
-                _record(part, layer, "compress_topk_idxs",
-                        torch.where(entry_idx >= 0, entry_idx + self.window, -1).unsqueeze(1))
-                entries.append(part.cache.groups[self.spec.kv_owner].main_kv.physical(entry_idx).int())
-            main = parts[0].cache.groups[self.spec.kv_owner].main_kv.pool.rows.expand(b, -1, -1)
-            entry_idx = official_width(torch.cat(entries))
+                if part.trace is not None:
+                    _record(part, layer, "compress_topk_idxs",
+                            torch.where(entry_idx[i : i + 1] >= 0, entry_idx[i : i + 1] + self.window, -1).unsqueeze(1))
+            stores = [part.cache.groups[self.spec.kv_owner].main_kv for part in parts]
+            main = stores[0].pool.rows.expand(b, -1, -1)
+            entry_idx = official_width(PagedEntries.physical_of(stores, entry_idx).int())
         return dispatch.sparse_attention_decode(q, torch.cat([ring.data for ring in rings]), slots, main, entry_idx,
                                                 self.attn_sink, self.head_dim**-0.5)
 
@@ -436,20 +436,95 @@ class Attention(nn.Module):
         idx = torch.where(positions >= max(first, 0), positions - first, -1)
         return values, valid_first(idx).int().expand(b, -1, -1)
 
+    def _decode_entries(self, x, qr, table, parts: list[SharedAttention], query) -> torch.Tensor:
+        """`_global_branch` of one decode token per sequence on packed caches (x [1, B, dim]):
+        entry ids [B, index_topk]. Each sequence's compressor runs on its own state; the selection
+        runs for the whole batch (`_select_batch`) unless a row needs the per-sequence path."""
+        spec = self.spec
+        if spec.mode is Mode.FULL:
+            for i, part in enumerate(parts):
+                self._produce_entries(x[:, i : i + 1], table, part)
+        if self.indexer is not None:
+            picked = self._select_batch(parts, query) if all(part.trace is None for part in parts) else None
+            for i, part in enumerate(parts):
+                if picked is not None:
+                    part.topk[spec.layer_id] = picked[i : i + 1]
+                else:
+                    mine = (query[0][:, i : i + 1], query[1][:, i : i + 1])
+                    part.topk[spec.layer_id] = self._select(x[:, i : i + 1], qr[:, i : i + 1], table, part, query=mine)
+                part.rows_start[spec.layer_id] = part.start
+        producer = spec.topk_producer
+        return torch.cat([part.topk[producer][:, part.start - part.rows_start[producer] :] for part in parts])[:, 0]
+
+    def _select_batch(self, parts: list[SharedAttention], query) -> torch.Tensor | None:
+        """`_select` of one decode token per sequence, as one batch: every sequence's entries (a
+        candidate consumer: its pool's) scored in one kernel call over the shared page pool, rows
+        padded with unused ids, and one top-k: the set `_select` takes wherever a row has no equal
+        scores at the k-th place (a row that has takes the official top-k of its own row). None (the
+        per-sequence path) where a sequence has no entry yet or a pool holds fewer entries than the
+        step picks, and in the official-decode compatibility mode. Returns [B, 1, index_topk] ids,
+        -1 unused."""
+        spec, k = self.spec, self.indexer.topk
+        totals = torch.tensor([(part.start + 1) // spec.ratio for part in parts])
+        if int(totals.min()) == 0 or any(part.cache.official_decode_slots for part in parts):
+            return None
+        wanted = totals.clamp(max=k)
+        if spec.candidate_consumer:
+            pools = [_compact(part.candidates[:, -1]) for part in parts]
+            width = max(pool.size(-1) for pool in pools)
+            ids = torch.cat([F.pad(pool, (0, width - pool.size(-1)), value=-1) for pool in pools])
+            if bool(((ids >= 0).sum(-1) < wanted).any()):
+                return None
+        else:
+            ids = torch.arange(int(totals.max())).expand(len(parts), -1)
+            ids = torch.where(ids < totals.unsqueeze(1), ids, -1)
+        stores = [part.cache.groups[self._key_owner(part)].index_k for part in parts]
+        keys = stores[0].pool.rows.expand(len(parts), -1, -1)
+        scores = dispatch.index_scores(query[0][0], query[1][0], keys, PagedEntries.physical_of(stores, ids))
+        scores = scores.masked_fill(ids < 0, -torch.inf)
+        for i, part in enumerate(parts):
+            if part.scored is not None:
+                self._count_scored(scores[i : i + 1], part)
+            if spec.candidate_source:
+                part.candidates = candidate_entries(scores[i : i + 1, : int(totals[i])].unsqueeze(1), int(totals[i]),
+                                                    self.candidate_blocks, self.candidate_size)
+                part.candidate_source = spec.layer_id
+        # ids ascend along each row, unused (-1) ones last: the picked columns, in ascending order,
+        # are the picked entries in ascending order with any unused ones after them
+        picked = F.pad(ids.gather(-1, topk_entries(scores, min(k, ids.size(-1)))), (0, max(0, k - ids.size(-1))),
+                       value=-1)
+        if not numerics.is_stable():
+            for i in ties_at_boundary(scores, k).nonzero().flatten().tolist():
+                picked[i] = self._official_pick(scores[i], ids[i], int(totals[i]))
+        return picked.unsqueeze(1).int()
+
+    def _official_pick(self, scores: torch.Tensor, ids: torch.Tensor, total: int) -> torch.Tensor:
+        """A decode row whose k-th place is tied: the official top-k over the full-width row the
+        per-sequence path scores (entries outside ids at -inf), since which tied entry it keeps
+        depends on that row. scores, ids [n] -> index_topk ids, ascending, -1 unused."""
+        row = torch.full((1, total + 1), -torch.inf, dtype=scores.dtype)
+        row = row.scatter(-1, torch.where(ids >= 0, ids, total).long().unsqueeze(0), scores.unsqueeze(0))[:, :total]
+        picked = official_topk(row, min(self.indexer.topk, total))[0]
+        return F.pad(picked, (0, self.indexer.topk - picked.size(-1)), value=-1)
+
     def _global_branch(self, x, qr, table, shared: SharedAttention, query=None) -> torch.Tensor:
         """The entry ids [b, s, k] of the group's global KV each query attends to (-1 unused);
         `query`: the indexer's queries of x when the caller has them (`Indexer.query`)."""
         spec = self.spec
         if spec.mode is Mode.FULL:
-            if shared.emit_entries:
-                self._emit_entries(x, table, shared)
-            else:
-                self._use_existing_entries(x, shared)
+            self._produce_entries(x, table, shared)
         if self.indexer is not None:
             shared.topk[spec.layer_id] = self._select(x, qr, table, shared, query=query)
             shared.rows_start[spec.layer_id] = shared.start
         # a producer may have run on earlier positions too (the exact prefill's staircase)
         return shared.topk[spec.topk_producer][:, shared.start - shared.rows_start[spec.topk_producer] :]
+
+    def _produce_entries(self, x, table, shared: SharedAttention) -> None:
+        """A Full layer's entries of this forward: compressed here, or already in the group."""
+        if shared.emit_entries:
+            self._emit_entries(x, table, shared)
+        else:
+            self._use_existing_entries(x, shared)
 
     def project_entries(self, x: torch.Tensor, table: torch.Tensor, shared: SharedAttention) -> None:
         """Only this Full layer's compressor and index keys over x (after attn_norm): how CED builds

@@ -111,6 +111,17 @@ class PagedEntries:
         safe = ids.long().clamp(min=0)
         return torch.where(ids >= 0, self._table[safe // size] * size + safe % size, -1)
 
+    @staticmethod
+    def physical_of(stores: list[PagedEntries], ids: torch.Tensor) -> torch.Tensor:
+        """`physical` of several sequences' stores in one pool at once: ids [len(stores), k], row i
+        holding ids of stores[i] (-1 stays -1)."""
+        size = stores[0].pool.page_entries
+        tables = torch.nn.utils.rnn.pad_sequence([store._table for store in stores], batch_first=True)
+        if tables.size(1) == 0:
+            return torch.full_like(ids, -1, dtype=torch.long)
+        safe = ids.long().clamp(min=0)
+        return torch.where(ids >= 0, tables.gather(1, safe // size) * size + safe % size, -1)
+
     def _span(self, rows: slice) -> torch.Tensor:
         return self.physical(torch.arange(rows.start or 0, rows.stop))
 
