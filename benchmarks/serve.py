@@ -19,6 +19,7 @@ default, a fresh store) and measures, from the client's side of /v1/completions 
 Writes benchmarks/results/serve.json.
 Usage: python benchmarks/serve.py [--model small | --config micro] [--scale 16] [--requests 16]
        [--per-stream 4] [--new-tokens 32] [--decode-prompt 16] [--decode-tokens 64] [--chunk-size 64]
+       [--dspark off|auto|fixed]
 """
 
 from __future__ import annotations
@@ -199,6 +200,8 @@ def main() -> None:
     parser.add_argument("--decode-prompt", type=int, default=16, help="Prompt length of the decode workload.")
     parser.add_argument("--decode-tokens", type=int, default=64, help="Output tokens of the decode workload.")
     parser.add_argument("--chunk-size", type=int, default=64, help="Prefill chunk (the per-step prefill budget).")
+    parser.add_argument("--dspark", choices=("off", "auto", "fixed"),
+                        help="DSpark mode of the served pipeline (default: the pipeline's; auto with a drafter).")
     args = parser.parse_args()
     if args.requests < 1:
         parser.error("--requests must be at least 1")
@@ -208,6 +211,10 @@ def main() -> None:
     pipeline = with_overrides(load_pipeline("local"), name="bench", model=model,
                               store={"block_tokens": 16 * max(1, MOONCAKE_BLOCK // args.scale // 16)},
                               generation={"chunk_size": args.chunk_size})
+    if args.dspark:
+        dspark = msgspec.structs.replace(pipeline.components["dspark"],
+                                         options={**pipeline.components["dspark"].options, "mode": args.dspark})
+        pipeline = with_overrides(pipeline, components={**pipeline.components, "dspark": dspark})
     (root / "pipeline.yaml").write_bytes(msgspec.yaml.encode(pipeline))
     from dsv41.components.context import ComponentContext
 
@@ -215,6 +222,7 @@ def main() -> None:
     vocab, context = config.text_config.vocab_size, config.text_config.max_position_embeddings
     server = Server(root / "pipeline.yaml", root / "run", root / "kv")
     report = {"model": server.model, "pipeline": "local (processes over ipc://)", "chunk_size": args.chunk_size,
+              "dspark": args.dspark or "pipeline default",
               "cpu_count": os.cpu_count(), "scale": args.scale, "lengths": args.lengths.name}
     try:
         warm = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
