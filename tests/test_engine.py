@@ -224,11 +224,12 @@ def test_one_step_batched_over_sequences_of_different_lengths_equals_separate_st
             assert torch.equal(ring.data, b.cache.windows[layer].data), layer
 
 
-def test_batched_decode_selection_picks_what_each_sequence_picks_alone(rng, monkeypatch):
-    """One decode token per sequence selects its index entries for the whole batch at once
-    (`Attention._select_batch`); in default numerics it must pick what the per-sequence path picks,
-    rows tied at the k-th place included (they take the official top-k of their own row), so the
-    logits and the scored-entry counters are the same bits."""
+def test_batched_decode_entries_and_selection_equal_the_per_sequence_path(rng, monkeypatch):
+    """One decode token per sequence writes its new global entries (`Attention._emit_decode_entries`)
+    and selects its index entries (`Attention._select_batch`) for the whole batch at once; in
+    default numerics that must store and pick what the per-sequence path does, rows tied at the
+    k-th place included (they take the official top-k of their own row), so the logits and the
+    scored-entry counters are the same bits."""
     from dsv41.checkpoint import load_model
     from dsv41.model import attention
 
@@ -258,6 +259,12 @@ def test_batched_decode_selection_picks_what_each_sequence_picks_alone(rng, monk
     batched = run()
     assert tied_rows, "no row was tied at the k-th place: the test lost its point"
     monkeypatch.setattr(attention.Attention, "_select_batch", lambda self, parts, query: None)
+
+    def emit_one_by_one(self, x, table, parts):
+        for i, part in enumerate(parts):
+            self._produce_entries(x[:, i : i + 1], table, part)
+
+    monkeypatch.setattr(attention.Attention, "_emit_decode_entries", emit_one_by_one)
     alone = run()
     assert batched[1] == alone[1]
     for got, want in zip(batched[0], alone[0], strict=True):

@@ -441,11 +441,14 @@ class Attention(nn.Module):
         entry ids [B, index_topk]. Each sequence's compressor runs on its own state; the selection
         runs for the whole batch (`_select_batch`) unless a row needs the per-sequence path."""
         spec = self.spec
-        if spec.mode is Mode.FULL:
+        untraced = all(part.trace is None for part in parts)
+        if spec.mode is Mode.FULL and untraced and all(part.emit_entries for part in parts):
+            self._emit_decode_entries(x, table, parts)
+        elif spec.mode is Mode.FULL:
             for i, part in enumerate(parts):
                 self._produce_entries(x[:, i : i + 1], table, part)
         if self.indexer is not None:
-            picked = self._select_batch(parts, query) if all(part.trace is None for part in parts) else None
+            picked = self._select_batch(parts, query) if untraced else None
             for i, part in enumerate(parts):
                 if picked is not None:
                     part.topk[spec.layer_id] = picked[i : i + 1]
@@ -455,6 +458,29 @@ class Attention(nn.Module):
                 part.rows_start[spec.layer_id] = part.start
         producer = spec.topk_producer
         return torch.cat([part.topk[producer][:, part.start - part.rows_start[producer] :] for part in parts])[:, 0]
+
+    def _emit_decode_entries(self, x, table, parts: list[SharedAttention]) -> None:
+        """`_emit_entries` of one decode token per sequence (nothing traced): each compressor steps
+        on its own state; the index keys and rotation of the entries completed in this step, and
+        their quantization into the pages, run once for the batch."""
+        layer, ratio = self.spec.layer_id, self.spec.ratio
+        latents, done = [], []
+        for i, part in enumerate(parts):
+            group = part.cache.groups[layer]
+            latent = self.compressor(x[:, i : i + 1], part.start, group)
+            if latent is not None:
+                latents.append(latent)
+                done.append(part)
+            part.index_k[layer], part.main_kv[layer] = group.index_k, group.main_kv
+        if not done:
+            return
+        latent, entries = torch.cat(latents, dim=1), [part.start // ratio for part in done]
+        rows = table[torch.tensor(entries) * ratio]  # an entry sits at its group's start
+        groups = [part.cache.groups[layer] for part in done]
+        PagedEntries.write_each([group.index_k for group in groups], entries, self.indexer.keys(latent, rows)[0])
+        PagedEntries.write_each([group.main_kv for group in groups], entries, rotate(latent, rows)[0])
+        for part in done:
+            part.cache.index_k_slot = layer
 
     def _select_batch(self, parts: list[SharedAttention], query) -> torch.Tensor | None:
         """`_select` of one decode token per sequence, as one batch: every sequence's entries (a

@@ -122,6 +122,17 @@ class PagedEntries:
         safe = ids.long().clamp(min=0)
         return torch.where(ids >= 0, tables.gather(1, safe // size) * size + safe % size, -1)
 
+    @staticmethod
+    def write_each(stores: list[PagedEntries], entries: list[int], values: torch.Tensor) -> None:
+        """Row i of values [n, dim] (unquantized) as entry entries[i] of stores[i], all stores in one
+        pool: the rows are quantized in one call, as `write` would quantize each."""
+        for store, entry in zip(stores, entries, strict=True):
+            store.reserve(entry + 1)
+        pool = stores[0].pool
+        quantize = dispatch.pack_rows if pool.packed else quantize_dequantize
+        rows = PagedEntries.physical_of(stores, torch.tensor(entries).unsqueeze(1))[:, 0]
+        pool.rows[0, rows] = quantize(values.unsqueeze(0), pool.fmt)[0]
+
     def _span(self, rows: slice) -> torch.Tensor:
         return self.physical(torch.arange(rows.start or 0, rows.stop))
 
