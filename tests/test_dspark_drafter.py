@@ -9,6 +9,7 @@ import torch
 from dsv41.checkpoint import weight_files
 from dsv41.model.cache import DecodeCache
 from dsv41.model.dspark import Drafter, dspark_tensors, has_drafter, load_dspark, new_state
+from dsv41.model.numerics import stable_numerics
 from dsv41.parity import FLOAT_TOLERANCE, Golden
 
 from .conftest import GOLDEN
@@ -84,3 +85,27 @@ def test_a_missing_stage_tensor_is_named(run, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"mtp\.1\.attn\.wkv\.weight"):
         load_dspark(run["config"], [tmp_path / "model.safetensors"])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_drafting_a_batch_equals_drafting_each_sequence_alone(run, rng, packed):
+    """`Drafter.draft` attends for every sequence in one call (their rings read at once); in
+    shape-stable numerics each sequence's drafts, logits and confidence must be the bits it gets
+    alone (in the default numerics the head's many-row GEMM sums in another order): histories of
+    different lengths, one of them empty, one longer than the window."""
+    golden = Golden(GOLDEN)
+    drafter = Drafter(golden.model(), run["drafter"])
+    width = drafter.stages[0].main_proj.in_features
+    states = []
+    with torch.inference_mode(), stable_numerics():
+        for length in (0, 3, 17, drafter.window + 5):
+            state = new_state(run["config"], packed)
+            drafter.observe(state, torch.randn(length, width, generator=rng).bfloat16())
+            states.append(state)
+        tokens = torch.randint(3, run["config"].text_config.vocab_size, (len(states),), generator=rng).tolist()
+        together = drafter.draft(states, tokens)
+        for i, (state, token) in enumerate(zip(states, tokens, strict=True)):
+            alone = drafter.draft([state], [token])
+            assert torch.equal(alone.tokens[0], together.tokens[i])
+            assert torch.equal(alone.logits[0], together.logits[i])
+            assert torch.equal(alone.confidence[0], together.confidence[i])

@@ -93,7 +93,7 @@ class DSparkStage(Block):
         """The draft rows of several blocks x [n_blocks, s, hc, dim] (block i at rows table[i]
         [s, rope/2]) through the stage; block i attends to rings[i] (values [W, head_dim]) at
         ring_idx[i] ([W] slots, -1 unused) and to its own s rows. Stacked rings [n_blocks, W,
-        head_dim] with ring_idx [n_blocks, W] run all blocks in one attention call (training)."""
+        head_dim] with ring_idx [n_blocks, W] run all blocks in one attention call."""
         attn_pre, attn_post, attn_comb = self.coefficients(x, "attn")
         attn_out = self._draft_attention(self.attn_norm(mhc.collapse(x, pre_mix)), table, rings, ring_idx)
         x, ffn_in, ffn_pre, ffn_post, ffn_comb = dispatch.mhc_update(
@@ -113,7 +113,7 @@ class DSparkStage(Block):
         qr = attn.q_norm(attn.wq_a(x))
         q = heads(attn.wq_b(qr).unflatten(-1, (attn.n_heads, attn.head_dim)))
         kv = rotate(attn.kv_norm(attn.wkv(x)), table)
-        if isinstance(rings, torch.Tensor):  # every block's window at once [b, W, head_dim] (training)
+        if isinstance(rings, torch.Tensor):  # every block's window at once [b, W, head_dim]
             keys = torch.cat([rings, fp8_qdq(kv)], dim=1)
             own = rings.size(1) + torch.arange(s).expand(b, s)
             idx = torch.cat([ring_idx, own], dim=1).int().unsqueeze(1).expand(b, s, -1)
@@ -192,8 +192,14 @@ class Drafter:
         idx = [ring_indices(st.length - 1, self.window)[0] if st.length else torch.full((self.window,), -1)
                for st in states]
         starts = torch.tensor([st.length for st in states])
-        hidden, base = self._blocks(torch.tensor(tokens), starts,
-                                    lambda j: ([st.rings[j].read()[0] for st in states], idx))
+
+        def rings_of(j: int):  # every sequence's ring of stage j, read in one call: one attention call for all
+            rings = [st.rings[j] for st in states]
+            if any((ring.packed, ring.fmt) != (rings[0].packed, rings[0].fmt) for ring in rings):
+                return [ring.read()[0] for ring in rings], idx
+            return rings[0].values(torch.cat([ring.data for ring in rings])), torch.stack(idx)
+
+        hidden, base = self._blocks(torch.tensor(tokens), starts, rings_of)
         return self._markov(self.stages[-1], base, hidden, torch.tensor(tokens), temperature, generators)
 
     def _blocks(self, tokens: torch.Tensor, starts: torch.Tensor, rings_of) -> tuple[torch.Tensor, torch.Tensor]:
