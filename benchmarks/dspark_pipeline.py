@@ -3,7 +3,9 @@
 For each mode (default: off, auto, fixed 3 and fixed 5) a fresh `local` pipeline (six processes, the
 default model, DSpark set by the component options) decodes held-out prompts of each domain (see
 benchmarks/dspark.py) greedily: batch 1 sends them one after another, batch 8 all at once, so the
-component drafts for all of them and verifies them in one batched step. Reported per mode, domain
+component drafts for all of them and verifies them in one batched step. All the pipelines are up at
+once and take each group of prompts in turn, so that the machine's speed, which drifts, is shared
+by the modes compared. Reported per mode, domain
 and batch: output tokens per second over the wall time (prefills included, the same for every
 mode), the acceptance length (tokens per verification, the bonus included), and how many outputs
 differ from plain decoding (in default numerics a verification step's rows may differ from
@@ -21,6 +23,7 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import msgspec
@@ -50,37 +53,51 @@ def run_batch(supervisor: Supervisor, prompts: list[list[int]], new_tokens: int)
     return out, time.perf_counter() - started
 
 
-def measure(model: str, mode: str, prompts: dict[str, list[list[int]]], batches: list[int], new_tokens: int,
-            root: Path) -> dict:
-    """One pipeline with this DSpark mode; every domain at every batch size."""
+def pipeline_spec(model: str, mode: str, root: Path):
+    """The `local` pipeline with this DSpark mode (off, auto, fixed:N) and a store of its own."""
     name, _, length = mode.partition(":")
     options = {"mode": name, **({"length": int(length)} if length else {})}
     base = load_pipeline("local")
     components = {**base.components, "dspark": msgspec.structs.replace(base.components["dspark"], options=options)}
     # 64-token prompts fill no 256-token store block: no run is helped by another's prefix-cache entries
-    spec = with_overrides(base, name=f"bench-{name}{length}", model={"checkpoint": model},
+    return with_overrides(base, name=f"bench-{name}{length}", model={"checkpoint": model},
                           store={"path": str(root / "kv" / mode)}, components=components)
-    rows = {}
-    with Supervisor(spec, root / f"run-{name}{length}") as supervisor:
-        run_batch(supervisor, [prompts[next(iter(prompts))][0][:8]], 2)  # first-call costs out of the way
+
+
+def measure(model: str, modes: list[str], prompts: dict[str, list[list[int]]], batches: list[int], new_tokens: int,
+            root: Path) -> dict[str, dict]:
+    """Every mode's pipeline up at once; each group of prompts runs on every mode in turn (the order
+    reversed every other group), so a drift of the machine's speed falls on all modes alike."""
+    results: dict[str, dict] = {mode: {} for mode in modes}
+    with ExitStack() as stack:
+        supervisors = {mode: stack.enter_context(Supervisor(pipeline_spec(model, mode, root),
+                                                            root / f"run-{mode.replace(':', '')}"))
+                       for mode in modes}
+        for supervisor in supervisors.values():
+            run_batch(supervisor, [prompts[next(iter(prompts))][0][:8]], 2)  # first-call costs out of the way
         for domain, group in prompts.items():
             for batch in batches:
-                outputs, wall = [], 0.0
-                for i in range(0, len(group), batch):
-                    got, seconds = run_batch(supervisor, group[i : i + batch], new_tokens)
-                    outputs += got
-                    wall += seconds
-                done = [d for _, d in outputs]
-                verifications = sum(d.verifications for d in done)
-                rows[f"{domain}/{batch}"] = {
-                    "tokens": [t for t, _ in outputs], "wall_s": round(wall, 3),
-                    "tokens_per_s": round(sum(d.generated_tokens for d in done) / wall, 2),
-                    "verifications": verifications,
-                    "acceptance_length": round((sum(d.accepted_tokens for d in done) + verifications)
-                                               / verifications, 3) if verifications else None}
-                print(f"{mode:<8} {domain:<12} batch {batch}: {rows[f'{domain}/{batch}']['tokens_per_s']:.2f} tok/s",
-                      flush=True)
-    return rows
+                outputs, wall = {mode: [] for mode in modes}, dict.fromkeys(modes, 0.0)
+                for turn, i in enumerate(range(0, len(group), batch)):
+                    for mode in (modes if turn % 2 == 0 else modes[::-1]):
+                        got, seconds = run_batch(supervisors[mode], group[i : i + batch], new_tokens)
+                        outputs[mode] += got
+                        wall[mode] += seconds
+                for mode in modes:
+                    results[mode][f"{domain}/{batch}"] = row = summary(outputs[mode], wall[mode])
+                    print(f"{mode:<8} {domain:<12} batch {batch}: {row['tokens_per_s']:.2f} tok/s", flush=True)
+    return results
+
+
+def summary(outputs: list, wall: float) -> dict:
+    """Tokens, wall time, tokens/s and acceptance length of one mode's requests."""
+    done = [d for _, d in outputs]
+    verifications = sum(d.verifications for d in done)
+    return {"tokens": [t for t, _ in outputs], "wall_s": round(wall, 3),
+            "tokens_per_s": round(sum(d.generated_tokens for d in done) / wall, 2),
+            "verifications": verifications,
+            "acceptance_length": round((sum(d.accepted_tokens for d in done) + verifications) / verifications, 3)
+            if verifications else None}
 
 
 def main() -> None:
@@ -98,7 +115,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_file(str(open_model_dir(args.model).tokenizer_path))
     prompts = held_out_prompts(tokenizer, args.prompts, args.prompt_len)
     root = Path(tempfile.mkdtemp(prefix="d41ds", dir="/tmp"))
-    results = {mode: measure(args.model, mode, prompts, batches, args.new_tokens, root) for mode in modes}
+    results = measure(args.model, modes, prompts, batches, args.new_tokens, root)
     plain = {key: row["tokens"] for key, row in results["off"].items()}
     table = []
     for mode, rows in results.items():
