@@ -225,11 +225,11 @@ def test_one_step_batched_over_sequences_of_different_lengths_equals_separate_st
 
 
 def test_batched_decode_entries_and_selection_equal_the_per_sequence_path(rng, monkeypatch):
-    """One decode token per sequence writes its new global entries (`Attention._emit_decode_entries`)
-    and selects its index entries (`Attention._select_batch`) for the whole batch at once; in
-    default numerics that must store and pick what the per-sequence path does, rows tied at the
-    k-th place included (they take the official top-k of their own row), so the logits and the
-    scored-entry counters are the same bits."""
+    """A batch writes its new global entries for all sequences at once (`Attention._emit_batch_entries`,
+    one token each or several), and one decode token per sequence selects its index entries for
+    the whole batch (`Attention._select_batch`); in default numerics that must store and pick what
+    the per-sequence path does, rows tied at the k-th place included (they take the official top-k
+    of their own row), so the logits and the scored-entry counters are the same bits."""
     from dsv41.checkpoint import load_model
     from dsv41.model import attention
 
@@ -238,12 +238,15 @@ def test_batched_decode_entries_and_selection_equal_the_per_sequence_path(rng, m
     core = InferenceCore(model)
     vocab = model.config.text_config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in (4, 60, 130, 170, 210, 260)]
+    extra_seed = int(torch.randint(0, 2**31, (1,), generator=rng))  # the tokens added in odd rounds
 
     def run() -> tuple[list[torch.Tensor], list[dict]]:
         seqs = [core.prefill(ids, capacity=320, packed=True) for ids in prompts]
         tokens = [[int(logits.argmax())] for _, logits in seqs]
-        rows = []
-        for _ in range(8):
+        rows, extra = [], torch.Generator().manual_seed(extra_seed)
+        for round_ in range(8):  # odd rounds step 1-3 tokens per sequence, as a verification does
+            tokens = [ids + torch.randint(3, vocab, ((round_ + i) % 3 * (round_ % 2),), generator=extra).tolist()
+                      for i, ids in enumerate(tokens)]
             out = core.step_batch([seq for seq, _ in seqs], tokens)
             rows += out
             tokens = [[int(logits[-1].argmax())] for logits in out]
@@ -260,11 +263,11 @@ def test_batched_decode_entries_and_selection_equal_the_per_sequence_path(rng, m
     assert tied_rows, "no row was tied at the k-th place: the test lost its point"
     monkeypatch.setattr(attention.Attention, "_select_batch", lambda self, parts, query: None)
 
-    def emit_one_by_one(self, x, table, parts):
-        for i, part in enumerate(parts):
-            self._produce_entries(x[:, i : i + 1], table, part)
+    def emit_one_by_one(self, x, table, parts, sizes):
+        for part, mine in zip(parts, x.split(sizes, dim=1), strict=True):
+            self._produce_entries(mine, table, part)
 
-    monkeypatch.setattr(attention.Attention, "_emit_decode_entries", emit_one_by_one)
+    monkeypatch.setattr(attention.Attention, "_emit_batch_entries", emit_one_by_one)
     alone = run()
     assert batched[1] == alone[1]
     for got, want in zip(batched[0], alone[0], strict=True):

@@ -295,16 +295,28 @@ class Attention(nn.Module):
         index queries of every token are computed once."""
         query = self.indexer.query(x, qr, rows) if self.indexer is not None else None
         windows = self._extended_windows(kv, batch)
-        keys, tables, first, offset = [], [], 0, 0
+        emitted = self.spec.mode is Mode.FULL and self._emits_as_batch(batch.parts)
+        if emitted:
+            self._emit_batch_entries(x, table, batch.parts, batch.sizes)
+        pieces, first = [], 0  # each sequence's window keys and table, and its chosen entry ids
         for part, size, window in zip(batch.parts, batch.sizes, windows, strict=True):
             mine = slice(first, first + size)
             own_query = None if query is None else (query[0][:, mine], query[1][:, mine])
             own_window = None if window is None else (window[0], window[1][:, mine], window[2][:, mine])
-            values, idx = self._keys_and_table(x[:, mine], qr[:, mine], kv[:, mine], table, part, own_query,
-                                               own_window)
+            values, idx = self._window(kv[:, mine], part, own_window)
+            chosen = self._chosen_entries(x[:, mine], qr[:, mine], table, part, own_query, emitted,
+                                          values.size(1)) if self.spec.ratio else None
+            pieces.append((values, idx, chosen))
+            first += size
+        if self.spec.ratio:
+            gathered = self._gather_entries([chosen for _, _, chosen in pieces], batch.parts)
+            pieces = [(*self._with_entries(values, idx, *entries), None)
+                      for (values, idx, _), entries in zip(pieces, gathered, strict=True)]
+        keys, tables, offset = [], [], 0
+        for values, idx, _ in pieces:
             keys.append(values)
             tables.append(torch.where(idx >= 0, idx + offset, -1))
-            first, offset = first + size, offset + values.size(1)
+            offset += values.size(1)
         width = max(idx.size(-1) for idx in tables)
         idx = torch.cat([F.pad(idx, (0, width - idx.size(-1)), value=-1) for idx in tables], dim=1)
         return sparse_attention(q, torch.cat(keys, dim=1), self.attn_sink, idx, self.head_dim**-0.5)
@@ -324,21 +336,55 @@ class Attention(nn.Module):
         history_of = iter(history)
         return [(next(history_of), new_values, new_stored) if on else None for on in extending]
 
-    def _keys_and_table(self, x, qr, kv, table, shared: SharedAttention, query=None,
-                        window=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _keys_and_table(self, x, qr, kv, table, shared: SharedAttention, query=None, window=None,
+                        emitted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys this forward attends over [b, n, head_dim] (window rows, then the chosen global
         entries) and each query's slots in them [b, s, width] (-1 unused); `query`: the indexer's
-        queries of x, `window`: the `_extended_windows` entry of x, when the caller has them."""
+        queries of x, `window`: the `_extended_windows` entry of x, when the caller has them;
+        `emitted`: a Full layer's new entries of x are already written."""
         kv, idx = self._window(kv, shared, window)
-        if self.spec.ratio:
-            entry_idx = self._global_branch(x, qr, table, shared, query)
+        if not self.spec.ratio:
+            return kv, idx
+        chosen = self._chosen_entries(x, qr, table, shared, query, emitted, kv.size(1))
+        return self._with_entries(kv, idx, *self._entries(chosen, shared))
+
+    def _chosen_entries(self, x, qr, table, shared: SharedAttention, query, emitted: bool,
+                        window_keys: int) -> torch.Tensor:
+        """`_global_branch`'s entry ids [b, s, k]; traced as the official code records them, after
+        the `window_keys` window keys."""
+        chosen = self._global_branch(x, qr, table, shared, query, produce=not emitted)
+        if shared.trace is not None:
             _record(shared, self.spec.layer_id, "compress_topk_idxs",
-                    torch.where(entry_idx >= 0, entry_idx + kv.size(1), -1))
-            entries, local_idx = self._entries(entry_idx, shared)
-            local_idx = official_width(local_idx)
-            idx = torch.cat([idx, torch.where(local_idx >= 0, local_idx + kv.size(1), -1)], dim=-1)
-            kv = torch.cat([kv, entries], dim=1)
-        return kv, idx
+                    torch.where(chosen >= 0, chosen + window_keys, -1))
+        return chosen
+
+    @staticmethod
+    def _with_entries(kv, idx, entries, local_idx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window keys and table extended by the chosen entries (local_idx: each query's positions
+        in `entries`, -1 unused)."""
+        local_idx = official_width(local_idx)
+        idx = torch.cat([idx, torch.where(local_idx >= 0, local_idx + kv.size(1), -1)], dim=-1)
+        return torch.cat([kv, entries], dim=1), idx
+
+    def _gather_entries(self, chosen: list[torch.Tensor], parts: list[SharedAttention]) -> list[tuple]:
+        """`_entries` of several sequences after position 0: the entries each one picked, read from
+        the shared page pool and unpacked in one call; (values [1, n_i, head_dim], local ids) each."""
+        stores = [part.main_kv[self.spec.kv_owner] for part in parts]
+        if not all(isinstance(store, PagedEntries) and store.pool is stores[0].pool for store in stores) \
+                or any(ids.size(0) != 1 for ids in chosen):
+            return [self._entries(ids, part) for ids, part in zip(chosen, parts, strict=True)]
+        unique, local = [], []
+        for ids in chosen:  # each row's entries keep their order: the ids ascend along a row
+            picked = ids >= 0
+            entries, inverse = torch.unique(ids[picked], return_inverse=True)
+            unique.append(entries)
+            local.append(torch.full_like(ids, -1).index_put_((picked,), inverse.to(ids.dtype)))
+        width = max(entries.numel() for entries in unique)
+        ids = torch.stack([F.pad(entries, (0, width - entries.numel()), value=-1) for entries in unique])
+        rows = stores[0].pool.rows[0, PagedEntries.physical_of(stores, ids).clamp(min=0)]
+        values = stores[0].values(rows)
+        return [(values[i : i + 1, : entries.numel()], own) for i, (entries, own) in enumerate(zip(unique, local,
+                                                                                                   strict=True))]
 
     def _attend_training(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
         """Training (from position 0, no cache): the entries inference picks (every visible one in
@@ -442,8 +488,8 @@ class Attention(nn.Module):
         runs for the whole batch (`_select_batch`) unless a row needs the per-sequence path."""
         spec = self.spec
         untraced = all(part.trace is None for part in parts)
-        if spec.mode is Mode.FULL and untraced and all(part.emit_entries for part in parts):
-            self._emit_decode_entries(x, table, parts)
+        if spec.mode is Mode.FULL and self._emits_as_batch(parts):
+            self._emit_batch_entries(x, table, parts, [1] * len(parts))
         elif spec.mode is Mode.FULL:
             for i, part in enumerate(parts):
                 self._produce_entries(x[:, i : i + 1], table, part)
@@ -459,28 +505,35 @@ class Attention(nn.Module):
         producer = spec.topk_producer
         return torch.cat([part.topk[producer][:, part.start - part.rows_start[producer] :] for part in parts])[:, 0]
 
-    def _emit_decode_entries(self, x, table, parts: list[SharedAttention]) -> None:
-        """`_emit_entries` of one decode token per sequence (nothing traced): each compressor steps
-        on its own state; the index keys and rotation of the entries completed in this step, and
-        their quantization into the pages, run once for the batch."""
+    def _emit_batch_entries(self, x, table, parts: list[SharedAttention], sizes: list[int]) -> None:
+        """`_emit_entries` of a batch after position 0 (x [1, sum of sizes, dim], nothing traced):
+        each compressor steps on its own state over its sequence's tokens; the index keys and
+        rotation of every entry completed in this step, and their quantization into the pages, run
+        once for the batch."""
         layer, ratio = self.spec.layer_id, self.spec.ratio
-        latents, done = [], []
-        for i, part in enumerate(parts):
+        latents, groups, entries = [], [], []
+        for part, mine in zip(parts, x.split(sizes, dim=1), strict=True):
             group = part.cache.groups[layer]
-            latent = self.compressor(x[:, i : i + 1], part.start, group)
+            latent = self.compressor(mine, part.start, group)
             if latent is not None:
                 latents.append(latent)
-                done.append(part)
+                groups += [group] * latent.size(1)
+                entries += range(part.start // ratio, part.start // ratio + latent.size(1))
+                part.cache.index_k_slot = layer
             part.index_k[layer], part.main_kv[layer] = group.index_k, group.main_kv
-        if not done:
+        if not latents:
             return
-        latent, entries = torch.cat(latents, dim=1), [part.start // ratio for part in done]
+        latent = torch.cat(latents, dim=1)
         rows = table[torch.tensor(entries) * ratio]  # an entry sits at its group's start
-        groups = [part.cache.groups[layer] for part in done]
         PagedEntries.write_each([group.index_k for group in groups], entries, self.indexer.keys(latent, rows)[0])
         PagedEntries.write_each([group.main_kv for group in groups], entries, rotate(latent, rows)[0])
-        for part in done:
-            part.cache.index_k_slot = layer
+
+    @staticmethod
+    def _emits_as_batch(parts: list[SharedAttention]) -> bool:
+        """Whether a batch's new entries can be written as one (`_emit_batch_entries`): every
+        sequence after position 0, compressing its own tokens, untraced, its pages in one pool."""
+        return all(part.start > 0 and part.emit_entries and part.trace is None
+                   and part.cache.pools is parts[0].cache.pools for part in parts)
 
     def _select_batch(self, parts: list[SharedAttention], query) -> torch.Tensor | None:
         """`_select` of one decode token per sequence, as one batch: every sequence's entries (a
@@ -533,11 +586,12 @@ class Attention(nn.Module):
         picked = official_topk(row, min(self.indexer.topk, total))[0]
         return F.pad(picked, (0, self.indexer.topk - picked.size(-1)), value=-1)
 
-    def _global_branch(self, x, qr, table, shared: SharedAttention, query=None) -> torch.Tensor:
+    def _global_branch(self, x, qr, table, shared: SharedAttention, query=None, produce: bool = True) -> torch.Tensor:
         """The entry ids [b, s, k] of the group's global KV each query attends to (-1 unused);
-        `query`: the indexer's queries of x when the caller has them (`Indexer.query`)."""
+        `query`: the indexer's queries of x when the caller has them (`Indexer.query`); `produce`:
+        False when a Full layer's entries of x are already written."""
         spec = self.spec
-        if spec.mode is Mode.FULL:
+        if spec.mode is Mode.FULL and produce:
             self._produce_entries(x, table, shared)
         if self.indexer is not None:
             shared.topk[spec.layer_id] = self._select(x, qr, table, shared, query=query)

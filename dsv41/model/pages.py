@@ -153,12 +153,14 @@ class PagedEntries:
 
     def read(self, rows: slice) -> torch.Tensor:
         """Values [1, n, dim] of entries in `rows`."""
-        data = self.raw(rows).unsqueeze(0)
-        return unpack_rows(data, self.fmt) if self.packed else data
+        return self.values(self.raw(rows).unsqueeze(0))
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """Values [1, k, dim] by entry id idx [1, k] (-1 reads some finite row; callers mask it)."""
-        rows = self.pool.rows[0, self.physical(idx).clamp(min=0)]
+        return self.values(self.pool.rows[0, self.physical(idx).clamp(min=0)])
+
+    def values(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows as stored in this store's pool (of any sequence) as values."""
         return unpack_rows(rows, self.fmt) if self.packed else rows
 
     def keep(self, entries: int) -> None:
