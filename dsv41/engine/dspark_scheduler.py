@@ -77,7 +77,7 @@ class RoundChooser:
     (drafting and stepping included) at this batch size. The other kind is tried again after
     `explore` rounds, and each try that confirms it is worse doubles that wait (up to `longest`, so
     a change of load or of text is noticed within that many rounds):
-    at batch 8 a speculative round can cost three plain ones, so trying it often would cost more
+    at batch 8 a speculative round costs nearly two plain ones, so trying it often would cost more
     than it finds. Each kind is tried first until it has a rate. A rate is decayed tokens over
     decayed seconds, so one lucky or unlucky block does not flip the choice."""
 

@@ -249,9 +249,9 @@ class Attention(nn.Module):
         """x [b, s, dim] after attn_norm at positions shared.start..; `table` holds RoPE rows from
         position 0 on. Without a cache only start 0; with one, any start and length (a one-token
         step on a packed cache reads it through the packed-cache kernels). A `SharedBatch` (x [1,
-        sum of sizes, dim]) runs the projections once over all its tokens; one decode token per
-        sequence also runs the attention kernel once (ring writes, compressor and indexer use each
-        sequence's own state), other batches attend per sequence."""
+        sum of sizes, dim]) runs the projections once over all its tokens and attends in one call:
+        one decode token per sequence through the packed-cache kernel, other batches over the keys
+        each sequence's own state gives (`_attend_batch`)."""
         b, s, _ = x.shape
         if isinstance(shared, SharedBatch):
             rows = table[torch.cat([torch.arange(p.start, p.start + n) for p, n in zip(shared.parts, shared.sizes,
@@ -308,12 +308,13 @@ class Attention(nn.Module):
                                           values.size(1)) if self.spec.ratio else None
             pieces.append((values, idx, chosen))
             first += size
+        joined = [(values, idx) for values, idx, _ in pieces]
         if self.spec.ratio:
             gathered = self._gather_entries([chosen for _, _, chosen in pieces], batch.parts)
-            pieces = [(*self._with_entries(values, idx, *entries), None)
-                      for (values, idx, _), entries in zip(pieces, gathered, strict=True)]
+            joined = [self._with_entries(values, idx, *entries) for (values, idx), entries in zip(joined, gathered,
+                                                                                                  strict=True)]
         keys, tables, offset = [], [], 0
-        for values, idx, _ in pieces:
+        for values, idx in joined:
             keys.append(values)
             tables.append(torch.where(idx >= 0, idx + offset, -1))
             offset += values.size(1)
@@ -373,12 +374,7 @@ class Attention(nn.Module):
         if not all(isinstance(store, PagedEntries) and store.pool is stores[0].pool for store in stores) \
                 or any(ids.size(0) != 1 for ids in chosen):
             return [self._entries(ids, part) for ids, part in zip(chosen, parts, strict=True)]
-        unique, local = [], []
-        for ids in chosen:  # each row's entries keep their order: the ids ascend along a row
-            picked = ids >= 0
-            entries, inverse = torch.unique(ids[picked], return_inverse=True)
-            unique.append(entries)
-            local.append(torch.full_like(ids, -1).index_put_((picked,), inverse.to(ids.dtype)))
+        unique, local = zip(*(_compacted(ids) for ids in chosen), strict=True)
         width = max(entries.numel() for entries in unique)
         ids = torch.stack([F.pad(entries, (0, width - entries.numel()), value=-1) for entries in unique])
         rows = stores[0].pool.rows[0, PagedEntries.physical_of(stores, ids).clamp(min=0)]
@@ -630,9 +626,7 @@ class Attention(nn.Module):
         if entry_idx.size(1) > 1 and entry_idx.size(0) > 1:
             return source.read(slice(0, total)), entry_idx
         if entry_idx.size(1) > 1:  # only the entries some query picked: the cost does not grow with the context
-            picked = entry_idx >= 0
-            ids, inverse = torch.unique(entry_idx[picked], return_inverse=True)
-            local = torch.full_like(entry_idx, -1).index_put_((picked,), inverse.to(entry_idx.dtype))
+            ids, local = _compacted(entry_idx)
             return source.gather(ids.unsqueeze(0)), local
         k = entry_idx.size(-1)
         local = torch.where(entry_idx >= 0, torch.arange(k, dtype=entry_idx.dtype), -1)
@@ -762,6 +756,14 @@ class Attention(nn.Module):
         picked = official_topk(scores, min(self.indexer.topk, total))
         picked = torch.where(picked < visible, picked, -1)
         return valid_first(F.pad(picked, (0, self.indexer.topk - picked.size(-1)), value=-1)).int()
+
+
+def _compacted(entry_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct entry ids a table [1, s, k] picked, ascending, and the table rewritten as
+    positions in them (-1 stays -1). Each row's ids ascend, so each row keeps its order."""
+    picked = entry_idx >= 0
+    ids, inverse = torch.unique(entry_idx[picked], return_inverse=True)
+    return ids, torch.full_like(entry_idx, -1).index_put_((picked,), inverse.to(entry_idx.dtype))
 
 
 def _compact(ids: torch.Tensor) -> torch.Tensor:

@@ -56,5 +56,6 @@ class Block(nn.Module):
                 shared.trace.put(self.spec.layer_id, name, value)
         return x, ffn_pre
 
+
 def _fp32(device, *shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.float32, device=device), requires_grad=False)

@@ -15,17 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.config import Mode, ModelConfig
-from dsv41.kernels import dispatch
 from dsv41.kernels.layouts import (
     EntryFormat,
     index_k_format,
     main_kv_format,
-    quantize_dequantize,
     swa_format,
-    unpack_rows,
 )
 from dsv41.kernels.torch_ops import gather_rows
-from dsv41.model.pages import PagedEntries, PagePools
+from dsv41.model.pages import PagedEntries, PagePools, from_stored, to_stored
 
 
 @dataclass
@@ -47,19 +44,18 @@ class EntryStore:
 
     def stored(self, values: torch.Tensor) -> torch.Tensor:
         """Unquantized rows in this store's form (packed bytes, or their bf16 values)."""
-        return (dispatch.pack_rows if self.packed else quantize_dequantize)(values, self.fmt)
+        return to_stored(values, self.fmt, self.packed)
 
     def values(self, data: torch.Tensor) -> torch.Tensor:
         """Stored rows (of this store or another of its form) as values."""
-        return unpack_rows(data, self.fmt) if self.packed else data
+        return from_stored(data, self.fmt, self.packed)
 
     def read(self, rows: slice | None = None) -> torch.Tensor:
         return self.values(self.data if rows is None else self.data[:, rows])
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         """Rows by entry id idx [b, k] (-1 reads row 0; callers mask it) -> values [b, k, dim]."""
-        rows = gather_rows(self.data, idx)
-        return unpack_rows(rows, self.fmt) if self.packed else rows
+        return self.values(gather_rows(self.data, idx))
 
     @property
     def nbytes(self) -> int:

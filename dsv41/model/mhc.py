@@ -70,8 +70,9 @@ def _normalize(comb: torch.Tensor, eps: torch.Tensor, iters: int) -> torch.Tenso
 def _normalize_numpy(comb: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
     """`_normalize` in place through numpy, for inference on the CPU: the same float32 additions in
     the same order (a row or column of hc values summed first to last, then + eps, then one
-    division), so the same bits, for about a fifth of the cost (a numpy call on a 4x4 matrix costs
-    a fraction of a torch operator call, and the 6 * iters calls are most of an mHC sub-layer)."""
+    division), so the same bits, for about 40 % less time (a numpy call on a 4x4 matrix costs
+    about 1.7 µs here against 2.7 µs for a torch operator call, and the 6 * iters calls are most of
+    an mHC sub-layer)."""
     c = comb.contiguous().numpy()
     e = np.float32(eps)
     rows, cols = np.add.reduce(c, axis=-1, keepdims=True), np.add.reduce(c, axis=-2, keepdims=True)

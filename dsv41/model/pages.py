@@ -19,6 +19,16 @@ from dsv41.kernels.layouts import EntryFormat, quantize_dequantize, unpack_rows
 PAGE_ENTRIES = 128
 
 
+def to_stored(values: torch.Tensor, fmt: EntryFormat, packed: bool) -> torch.Tensor:
+    """Unquantized rows in a store's form: packed bytes, or the bf16 values those bytes decode to."""
+    return (dispatch.pack_rows if packed else quantize_dequantize)(values, fmt)
+
+
+def from_stored(rows: torch.Tensor, fmt: EntryFormat, packed: bool) -> torch.Tensor:
+    """Stored rows (either form) as values."""
+    return unpack_rows(rows, fmt) if packed else rows
+
+
 class PoolFull(RuntimeError):
     """No free page is left under the pool's page limit."""
 
@@ -129,9 +139,8 @@ class PagedEntries:
         for store, entry in zip(stores, entries, strict=True):
             store.reserve(entry + 1)
         pool = stores[0].pool
-        quantize = dispatch.pack_rows if pool.packed else quantize_dequantize
         rows = PagedEntries.physical_of(stores, torch.tensor(entries).unsqueeze(1))[:, 0]
-        pool.rows[0, rows] = quantize(values.unsqueeze(0), pool.fmt)[0]
+        pool.rows[0, rows] = to_stored(values.unsqueeze(0), pool.fmt, pool.packed)[0]
 
     def _span(self, rows: slice) -> torch.Tensor:
         return self.physical(torch.arange(rows.start or 0, rows.stop))
@@ -139,8 +148,7 @@ class PagedEntries:
     def write(self, rows: slice, values: torch.Tensor) -> None:
         """Quantize unquantized entries rows.start.. into the pages (both forms hold the same values)."""
         self.reserve(rows.stop)
-        quantize = dispatch.pack_rows if self.packed else quantize_dequantize
-        self.pool.rows[0, self._span(rows)] = quantize(values, self.fmt)[0]
+        self.pool.rows[0, self._span(rows)] = to_stored(values, self.fmt, self.packed)[0]
 
     def raw(self, rows: slice) -> torch.Tensor:
         """Stored rows [n, width] as kept (bytes when packed)."""
@@ -161,7 +169,7 @@ class PagedEntries:
 
     def values(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows as stored in this store's pool (of any sequence) as values."""
-        return unpack_rows(rows, self.fmt) if self.packed else rows
+        return from_stored(rows, self.fmt, self.packed)
 
     def keep(self, entries: int) -> None:
         """Give back the pages past the first `entries` entries (a rollback or a release)."""
