@@ -83,16 +83,16 @@ def bf16_global_kv() -> Iterator[None]:
     """Within the block, FP4 entry formats (main KV, index keys) and the MXFP4 index queries round
     to bf16 instead; FP8 formats (SWA rings) keep their rounding. Restores the formats on exit."""
     from dsv41.kernels import layouts
-    from dsv41.model import attention, cache, pages
+    from dsv41.model import attention, pages
 
-    originals = [(attention, "main_kv_qdq"), (attention, "mxfp4_qdq"), (cache, "quantize_dequantize"),
-                 (pages, "quantize_dequantize")]
+    # the rings and the page stores both quantize through pages.to_stored
+    originals = [(attention, "main_kv_qdq"), (attention, "mxfp4_qdq"), (pages, "quantize_dequantize")]
     saved = [getattr(module, name) for module, name in originals]
 
     def entry_values(x: torch.Tensor, fmt) -> torch.Tensor:
         return _bf16(x) if fmt.fp4 else layouts.quantize_dequantize(x, fmt)
 
-    replacements = [_bf16, _bf16, entry_values, entry_values]
+    replacements = [_bf16, _bf16, entry_values]
     try:
         for (module, name), new in zip(originals, replacements, strict=True):
             setattr(module, name, new)
