@@ -19,6 +19,7 @@ import torch
 
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
+from dsv41.components.inflight import InFlight, Outcome, raise_error
 from dsv41.components.limits import step_tokens
 from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
 from dsv41.components.sequences import Sequences, model_core, page_capacity
@@ -32,6 +33,7 @@ from dsv41.storage.blockfmt import BlockLayout
 
 LOOKUP_TIMEOUT_S = 5.0  # a lookup hashes the prompt and probes keys: slower means the store is in trouble
 STORE_TIMEOUT_S = 30.0  # block reads and writes move up to hundreds of MB
+DECODER_WAIT_S = 0.001  # an idle loop's wait for the decoder's replies before it looks at its inbox again
 
 
 class EngramMailbox:
@@ -128,7 +130,9 @@ class EncoderComponent(Component):
         self.vocab_size, self.step_tokens = model.config.text_config.vocab_size, step_tokens(model.config)
         self.mailbox = EngramMailbox(float(context.option("engram", "rows_timeout_s", 5.0)))
         self.sequences = Sequences(context.pipeline.generation.request_timeout_s)
-        self.decoder = context.peer("decoder")
+        # steps and prefills go on to the decoder without waiting: the encoder computes the next
+        # chunk or step while the decoder computes, and passes each reply on when it comes
+        self.decoder = InFlight(context.peer("decoder"), context.pipeline.generation.request_timeout_s)
         self.kvstore = context.peer("kvstore", timeout_s=STORE_TIMEOUT_S)
         # prefills in progress, oldest first: one chunk runs per turn of the loop, so the steps of
         # requests already decoding are served between the chunks of a long prompt
@@ -204,22 +208,31 @@ class EncoderComponent(Component):
         waited = self.mailbox.waited_s
         prefetched = message.engram_prefetch and not spans
         rows_for = (lambda start, end: self._rows(rid, start, end)) if prefetched else None
+
+        def finish(answer: m.Logits) -> m.Logits:
+            c = seq.counters
+            self.counters.update(prefills=1, prompt_tokens=len(ids), cached_tokens=cached,
+                                 encoder_layer_tokens=c.encoder_layer_tokens,
+                                 replayed_layer_tokens=c.replayed_layer_tokens)
+            return msgspec.structs.replace(
+                answer, cached_tokens=cached, encoder_layer_tokens=c.encoder_layer_tokens,
+                replayed_layer_tokens=c.replayed_layer_tokens + answer.replayed_layer_tokens, engram_wait_s=engram_wait)
+
+        answered = functools.partial(self._pass_on, reply, rid, finish, functools.partial(self._fail_job, rid, reply))
         if message.mode == "full":
-            answer, out = yield from self._prefill_full(rid, seq, ids, rows_for, spans)
-        else:
-            snapshot_at = snapshot_position(len(ids), self.layout.block_tokens, cached) if keys else None
-            answer, out = yield from self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for,
-                                                       snapshot, snapshot_at, spans)
-            self._store_blocks(seq, keys, len(blocks))
+            outcome = yield from self._prefill_full(rid, seq, ids, rows_for, spans)
+            engram_wait = self.mailbox.waited_s - waited
+            self.jobs.pop(rid, None)
+            self._full_jobs.discard(rid)
+            answered(outcome)
+            return
+        snapshot_at = snapshot_position(len(ids), self.layout.block_tokens, cached) if keys else None
+        request, out = yield from self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for,
+                                                    snapshot, snapshot_at, spans)
+        engram_wait = self.mailbox.waited_s - waited
+        self._store_blocks(seq, keys, len(blocks))
+        self.decoder.send(request, out, answered)
         self.jobs.pop(rid, None)
-        self._full_jobs.discard(rid)
-        c = seq.counters
-        self.counters.update(prefills=1, prompt_tokens=len(ids), cached_tokens=cached,
-                             encoder_layer_tokens=c.encoder_layer_tokens, replayed_layer_tokens=c.replayed_layer_tokens)
-        reply(msgspec.structs.replace(
-            answer, cached_tokens=cached, encoder_layer_tokens=c.encoder_layer_tokens,
-            replayed_layer_tokens=c.replayed_layer_tokens + answer.replayed_layer_tokens,
-            engram_wait_s=self.mailbox.waited_s - waited), out)
 
     def _check_prompt(self, rid: int, ids: list[int], capacity: int) -> None:
         if capacity > self.limit:
@@ -232,6 +245,7 @@ class EncoderComponent(Component):
 
     def _prefill_ced(self, rid, seq: Sequence, ids: list[int], exact: bool, cached: int, rows_for, snapshot,
                      snapshot_at, spans: list[ImageSpan] | None = None):
+        """The encoder's part of a `ced`/`exact` prefill; returns the decoder's part as a message."""
         x, pre_mix, starts = yield from self.core.encode_prompt_steps(seq, torch.tensor([ids]), exact, cached, rows_for,
                                                                       snapshot, snapshot_at, spans)
         group, n = seq.cache.groups[self.decoder_group], len(ids)
@@ -240,28 +254,50 @@ class EncoderComponent(Component):
             request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
             main_kv=out.add(group.main_kv.raw(slice(0, n))), index_k=out.add(group.index_k.raw(slice(0, n))),
             streams=out.add(x), pre_mix=out.add(pre_mix), **_span_positions(spans))
-        return _relay(*self.decoder.call(request, out))
+        return request, out
 
     def _prefill_full(self, rid, seq: Sequence, ids: list[int], rows_for, spans: list[ImageSpan] | None = None):
-        """Every chunk through the encoder, then through the decoder (which computes its own KV)."""
+        """Every chunk through the encoder, then through the decoder (which computes its own KV);
+        returns the decoder's reply to the last chunk."""
         for start in range(0, len(ids), self.core.chunk_size):
             if start:
                 self._full_jobs.add(rid)
                 yield start
             chunk = ids[start : start + self.core.chunk_size]
             fetch = functools.partial(rows_for, start, start + len(chunk)) if rows_for else None
-            answer = self._forward(rid, seq, chunk, fetch, first=start == 0, spans=spans)
+            answer = self.decoder.call(*self._decoder_step(rid, seq, chunk, fetch, first=start == 0, spans=spans))
         return answer
 
-    def _forward(self, rid: int, seq: Sequence, tokens: list[int], fetch_rows, first: bool = False,
-                 spans: list[ImageSpan] | None = None):
-        """The encoder half of a step, then the decoder's; its reply relayed."""
+    def _decoder_step(self, rid: int, seq: Sequence, tokens: list[int], fetch_rows, first: bool = False,
+                      spans: list[ImageSpan] | None = None) -> tuple[m.DecoderStep, m.Frames]:
+        """The encoder half of a step; returns the decoder's half as a message."""
         start = seq.cache.length
         x, pre_mix = self.core.encode_tokens(seq, tokens, fetch_rows, spans)
         out = m.Frames()
         request = m.DecoderStep(request_id=rid, start=start, streams=out.add(x), pre_mix=out.add(pre_mix),
                                 capacity=seq.cache.capacity if first else 0, **_span_positions(spans))
-        return _relay(*self.decoder.call(request, out))
+        return request, out
+
+    def _pass_on(self, reply: Reply, rid: int, finish, fail, outcome: Outcome) -> None:
+        """Relay the decoder's reply to request `rid` (tensors in new frames, `finish`ed), or call
+        `fail(code, component, text)` with the error that stands for it."""
+        try:
+            answer, out = _relay(*raise_error(outcome))
+            answer = finish(answer)
+        except ComponentError as e:
+            fail(e.code, e.component, e.text)
+            return
+        except Exception as e:  # noqa: BLE001 - a reply that cannot be passed on fails its request alone
+            self.counters["internal_errors"] += 1
+            fail(m.ErrorCode.INTERNAL, self.name, f"{type(e).__name__}: {e}")
+            return
+        reply(answer, out)
+
+    def _send_on(self, reply: Reply, request: m.Message, out: m.Frames, finish=lambda answer: answer) -> None:
+        """Send the decoder's half of a step; its reply is passed on when it comes."""
+        rid = m.request_id_of(request)
+        self.decoder.send(request, out, functools.partial(
+            self._pass_on, reply, rid, finish, lambda *error: reply(m.error_reply(rid, *error))))
 
     def _spans(self, message: m.Prefill, frames: list[memoryview]) -> list[ImageSpan] | None:
         """The prompt's image spans from the message (None: text only). Each must lie on image
@@ -340,9 +376,8 @@ class EncoderComponent(Component):
     @torch.inference_mode()
     def _step(self, message: m.Step, reply: Reply) -> None:
         seq, tokens, fetch = self._step_input(message)
-        answer, out = self._forward(message.request_id, seq, tokens, fetch)
+        self._send_on(reply, *self._decoder_step(message.request_id, seq, tokens, fetch))
         self.counters.update(step_tokens=len(tokens), encoder_layer_tokens=len(tokens) * len(self.core.encoder))
-        reply(answer, out)
 
     def _step_input(self, item: m.Step | m.StepItem) -> tuple[Sequence, list[int], functools.partial | None]:
         """The sequence, the new tokens and the prefetched-rows source of one request's step."""
@@ -391,10 +426,10 @@ class EncoderComponent(Component):
         self.counters.update(batches=1, step_tokens=sum(sizes),
                              encoder_layer_tokens=sum(sizes) * len(self.core.encoder))
         out = m.Frames()
-        answer, relayed = _relay(*self.decoder.call(m.DecoderBatchStep(
-            request_id=message.request_id, request_ids=rids, starts=starts, sizes=sizes, streams=out.add(x),
-            pre_mix=out.add(pre_mix), verify=verify if any(verify) else []), out))
-        reply(msgspec.structs.replace(answer, errors=errors + list(answer.errors)), relayed)
+        request = m.DecoderBatchStep(request_id=message.request_id, request_ids=rids, starts=starts, sizes=sizes,
+                                     streams=out.add(x), pre_mix=out.add(pre_mix), verify=verify if any(verify) else [])
+        self._send_on(reply, request, out, lambda answer: msgspec.structs.replace(
+            answer, errors=errors + list(answer.errors)))
 
     def _rows(self, request_id: int, start: int, end: int) -> dict[int, torch.Tensor] | None:
         """Prefetched Engram rows, or None (look them up here) when they do not come in time:
@@ -411,6 +446,10 @@ class EncoderComponent(Component):
 
     def tick(self) -> bool:
         busy = self._advance()
+        # relay what the decoder has answered; with nothing else to do, wait a moment for it here
+        # (the loop would otherwise sleep on its inbox)
+        self.decoder.poll(0.0 if busy else DECODER_WAIT_S)
+        busy = busy or len(self.decoder) > 0
         self.counters["prefills_in_progress"] = len(self.jobs)
         self.counters["idle_sequences_dropped"] += self.sequences.sweep()
         self.counters["engram_rows_dropped"] += self.mailbox.sweep(self.sequences.__contains__, self.sequences.idle_s)
@@ -433,10 +472,16 @@ class EncoderComponent(Component):
         self._full_jobs.discard(request_id)
         self.mailbox.drop(request_id)
         try:
-            self.decoder.call(m.Release(request_id=request_id), timeout_s=5.0)
+            self.decoder.send(m.Release(request_id=request_id), None, self._release_confirmed, timeout_s=5.0)
+        except ComponentError:
+            self.counters["release_unconfirmed"] += 1
+
+    def _release_confirmed(self, outcome: Outcome) -> None:
+        try:
+            raise_error(outcome)
         except ComponentError:
             self.counters["release_unconfirmed"] += 1
 
     def close(self) -> None:
-        self.decoder.close()
+        self.decoder.peer.close()
         self.kvstore.close()
