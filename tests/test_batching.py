@@ -183,3 +183,32 @@ def test_a_full_queue_refuses_and_a_release_cancels(root):
             peer.close()
     finally:
         supervisor.stop()
+
+
+def test_prompts_prefilled_together_run_their_chunks_as_batches_and_equal_each_alone(root):
+    """Four prompts sent at once: the encoder runs their chunks as batches (its counters show
+    batches of several chunks), and each request's tokens are those it gets alone (greedy)."""
+    supervisor = start(root, "prefill-batches")
+    prompts = [ids(n, 20 + n) for n in (37, 50, 21, 64)]
+    try:
+        peers = [supervisor.peer() for _ in prompts]
+        requests = [m.Generate(request_id=9000 + i, ids=m.pack_ids(p), max_new_tokens=6, stop_at_eos=False)
+                    for i, p in enumerate(prompts)]
+        for peer, request in zip(peers, requests, strict=True):
+            peer.send(request)
+        together = {}
+        for peer, request in zip(peers, requests, strict=True):
+            tokens = []
+            while not isinstance((event := peer.receive(request.request_id)[0]), m.Finished):
+                tokens.append(event.token)
+            together[request.request_id] = tokens
+            peer.close()
+        encoder = supervisor.peer("encoder")
+        counters = encoder.ping().counters
+        encoder.close()
+        assert counters["prefill_batched_chunks"] > counters["prefill_batches"] > 0, counters
+        assert_idle(supervisor)
+        for i, prompt in enumerate(prompts):
+            assert tokens_of(supervisor, prompt, 6) == together[9000 + i], i
+    finally:
+        supervisor.stop()

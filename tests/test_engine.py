@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from dsv41.engine.core import InferenceCore
+from dsv41.engine.core import InferenceCore, PromptChunk
 from dsv41.model.numerics import stable_numerics
 from dsv41.model.reference import random_model
 
@@ -272,3 +272,65 @@ def test_batched_decode_entries_and_selection_equal_the_per_sequence_path(rng, m
     assert batched[1] == alone[1]
     for got, want in zip(batched[0], alone[0], strict=True):
         assert torch.equal(got, want)
+
+
+def _drive_prefills(core: InferenceCore, prompts: list[list[int]], modes: list[str], batched: bool):
+    """CED/exact prefills of `prompts` driven chunk by chunk: each prompt's chunks alone, one prompt
+    after another, or every prompt's next chunk in one `encode_chunks` batch; then the decoder
+    replays and three batched decode steps. Returns the logits and the sequences."""
+    seqs, steps, done = [], [], {}
+    for ids, mode in zip(prompts, modes, strict=True):
+        seq, _ = core.new_sequence(ids, len(ids) + 8, packed=True)
+        seqs.append(seq)
+        steps.append(core.encode_prompt_steps(seq, torch.tensor([ids]), mode == "exact"))
+    pending = {i: next(gen) for i, gen in enumerate(steps)}
+    while pending:
+        keys = list(pending) if batched else [next(iter(pending))]
+        for key, result in zip(keys, core.encode_chunks([pending[k] for k in keys]), strict=True):
+            try:
+                pending[key] = steps[key].send(result)
+            except StopIteration as finished:
+                done[key] = finished.value
+                del pending[key]
+    logits = [core.decoder_replay(seq, *done[i], len(prompts[i])) for i, seq in enumerate(seqs)]
+    for round_ in range(3):
+        logits += core.step_batch(seqs, [[3 + round_ + i] for i in range(len(seqs))])
+    return logits, seqs
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_prompt_chunks_of_several_prefills_in_one_batch_equal_each_prompt_alone(rng, chunk):
+    """The encoder runs the pending chunks of several prompts as one batch (first chunks, later
+    ones whose entries are written as a batch, prompts of one chunk beside prompts of many, ced and
+    exact). In default numerics the logits, the SWA rings and the counters are the same bits as
+    prefilling each prompt alone."""
+    from dsv41.checkpoint import load_model
+
+    model, _ = load_model("small")
+    model.eval()
+    core = InferenceCore(model, chunk_size=chunk)
+    vocab = model.config.text_config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in (9, 58, 131, 200)]
+    modes = ["ced", "exact", "ced", "ced"]
+    with torch.inference_mode():
+        alone, alone_seqs = _drive_prefills(core, prompts, modes, batched=False)
+        batched, batched_seqs = _drive_prefills(core, prompts, modes, batched=True)
+    for want, got in zip(alone, batched, strict=True):
+        assert torch.equal(want, got), f"max diff {(want - got).abs().max()}"
+    for a, b in zip(alone_seqs, batched_seqs, strict=True):
+        assert a.counters == b.counters
+        for layer, ring in a.cache.windows.items():
+            assert torch.equal(ring.data, b.cache.windows[layer].data), layer
+
+
+def test_a_batch_of_prompt_chunks_takes_one_per_sequence_and_a_replay_alone(micro, rng):
+    core = InferenceCore(micro, chunk_size=8)
+    ids = _prompt(rng, 20)
+    seq, _ = core.new_sequence(ids, 40)
+    chunk = next(core.encode_prompt_steps(seq, torch.tensor([ids]), False))
+    with pytest.raises(ValueError, match="one chunk per sequence"):
+        core.encode_chunks([chunk, chunk])
+    other, _ = core.new_sequence(ids, 40)
+    replay = PromptChunk(other, torch.tensor([ids]), 0, 8, 0, replay=True)
+    with pytest.raises(ValueError, match="a replay alone"):
+        core.encode_chunks([chunk, replay])

@@ -41,7 +41,7 @@ from dsv41.model.dspark import Drafter, DraftState, has_drafter, load_dspark, ne
 from dsv41.model.reference import Sampling, sample_next
 from dsv41.model.tokenizer import Detokenizer, token_bytes
 
-PREFILLS_IN_FLIGHT = 2  # prefills sent ahead, so the encoder never waits for the next prompt
+PREFILLS_IN_FLIGHT = 4  # prefills sent ahead: the encoder never waits for a prompt, and batches their chunks
 PROFILE_REPEATS = 3  # timed steps per size when the step cost is measured at start-up (the fastest counts)
 PROFILE_PROMPT = 64  # tokens of the throwaway sequence those steps extend
 

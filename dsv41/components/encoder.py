@@ -13,6 +13,7 @@ import functools
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -24,7 +25,7 @@ from dsv41.components.limits import step_tokens
 from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
 from dsv41.components.sequences import Sequences, model_core, page_capacity
 from dsv41.config import Part
-from dsv41.engine.core import Sequence
+from dsv41.engine.core import PromptChunk, Sequence
 from dsv41.engine.prefix_cache import snapshot_position, span_extra
 from dsv41.engine.speculative import hold_checkpoint, rewind
 from dsv41.model.cache import export_blocks
@@ -34,6 +35,7 @@ from dsv41.storage.blockfmt import BlockLayout
 LOOKUP_TIMEOUT_S = 5.0  # a lookup hashes the prompt and probes keys: slower means the store is in trouble
 STORE_TIMEOUT_S = 30.0  # block reads and writes move up to hundreds of MB
 DECODER_WAIT_S = 0.001  # an idle loop's wait for the decoder's replies before it looks at its inbox again
+PREFILL_BATCH = 4  # prompt chunks of different prefills run as one batch (each at most generation.chunk_size)
 
 
 class EngramMailbox:
@@ -100,6 +102,17 @@ class EngramMailbox:
         return len(stale)
 
 
+@dataclass
+class Job:
+    """A prefill in progress: its steps (a generator), where its answer goes, and the work it waits on
+    (a prompt chunk, or a `full` prefill's next chunk: None)."""
+
+    steps: Iterator
+    reply: Reply
+    started: bool = False
+    pending: PromptChunk | None = None
+
+
 def _relay(answer: m.Logits | m.BatchLogits, frames: list[memoryview]):
     """The decoder's reply, its tensors in new frames to pass on (the received buffers are not kept)."""
     out = m.Frames()
@@ -134,9 +147,9 @@ class EncoderComponent(Component):
         # chunk or step while the decoder computes, and passes each reply on when it comes
         self.decoder = InFlight(context.peer("decoder"), context.pipeline.generation.request_timeout_s)
         self.kvstore = context.peer("kvstore", timeout_s=STORE_TIMEOUT_S)
-        # prefills in progress, oldest first: one chunk runs per turn of the loop, so the steps of
-        # requests already decoding are served between the chunks of a long prompt
-        self.jobs: dict[int, tuple[Iterator[int], Reply]] = {}
+        # prefills in progress, oldest first: one batch of their chunks runs per turn of the loop, so
+        # the steps of requests already decoding are served between the chunks of a long prompt
+        self.jobs: dict[int, Job] = {}
         self._full_jobs: set[int] = set()  # jobs whose chunks the decoder has seen
 
     def deliver(self, message: m.Message, frames: list[memoryview]) -> None:
@@ -150,7 +163,7 @@ class EncoderComponent(Component):
                         raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"request {message.request_id} already "
                                              "has a sequence")
                     spans = self._spans(message, frames)
-                    self.jobs[message.request_id] = (self._prefill(message, reply, spans), reply)
+                    self.jobs[message.request_id] = Job(self._prefill(message, reply, spans), reply)
                 case m.Step():
                     self._step(message, reply)
                 case m.BatchStep():
@@ -161,23 +174,57 @@ class EncoderComponent(Component):
 
     # --- prefill ---------------------------------------------------------------------------------
     def _advance(self) -> bool:
-        """Run the next chunk of the oldest prefill; a prefill that fails is answered with its error
-        and leaves no state behind. True if there was one."""
+        """Run the next work of the oldest prefill. Every new prefill is started first (its checks,
+        prefix lookup and pages), so that its first chunk can join: the oldest prefill's prompt chunk
+        runs as one batch with the chunks other prefills wait on (up to PREFILL_BATCH; a prefix
+        replay alone), and a `full` prefill's next chunk alone. A prefill that fails is answered
+        with its error and leaves no state behind. True if there was one."""
         if not self.jobs:
             return False
-        rid, (job, reply) = next(iter(self.jobs.items()))
+        for rid in [rid for rid, job in self.jobs.items() if not job.started]:
+            self._resume(rid, None)
+        if not self.jobs:
+            return True
+        rid, job = next(iter(self.jobs.items()))
+        if job.pending is None:
+            self._resume(rid, None)
+            return True
+        batch = [rid]
+        if not job.pending.replay:
+            batch += [other for other, waiting in self.jobs.items() if other != rid and waiting.pending is not None
+                      and not waiting.pending.replay][: PREFILL_BATCH - 1]
         try:
             with torch.inference_mode(), page_capacity():
-                next(job)
+                results = self.core.encode_chunks([self.jobs[r].pending for r in batch])
+        except Exception as e:  # noqa: BLE001 - the batch's prefills fail, the component goes on
+            for r in batch:
+                self._fail_with(r, self.jobs[r].reply, e)
             return True
+        self.counters["prefill_batches"] += 1
+        self.counters["prefill_batched_chunks"] += len(batch)
+        for r, result in zip(batch, results, strict=True):
+            self._resume(r, result)
+        return True
+
+    def _resume(self, rid: int, result) -> None:
+        """Take a prefill on to the next work it waits on, giving it the result of the last."""
+        job = self.jobs[rid]
+        try:
+            with torch.inference_mode(), page_capacity():
+                job.started = True
+                job.pending = job.steps.send(result)
         except StopIteration:
             self.jobs.pop(rid, None)
-        except (m.MessageError, ComponentError) as e:
-            self._fail_job(rid, reply, e.code, getattr(e, "component", self.name), getattr(e, "text", str(e)))
         except Exception as e:  # noqa: BLE001 - a failing prefill fails alone
-            self.counters["internal_errors"] += 1
-            self._fail_job(rid, reply, m.ErrorCode.INTERNAL, self.name, f"{type(e).__name__}: {e}")
-        return True
+            self._fail_with(rid, job.reply, e)
+
+    def _fail_with(self, rid: int, reply: Reply, error: Exception) -> None:
+        if isinstance(error, (m.MessageError, ComponentError)):
+            self._fail_job(rid, reply, error.code, getattr(error, "component", self.name),
+                           getattr(error, "text", str(error)))
+            return
+        self.counters["internal_errors"] += 1
+        self._fail_job(rid, reply, m.ErrorCode.INTERNAL, self.name, f"{type(error).__name__}: {error}")
 
     def _holds(self, rid: int) -> bool:
         try:
@@ -194,9 +241,11 @@ class EncoderComponent(Component):
         self._full_jobs.discard(rid)
         reply(m.error_reply(rid, code, component, text))
 
-    def _prefill(self, message: m.Prefill, reply: Reply, spans: list[ImageSpan] | None = None) -> Iterator[int]:
-        """A prefill as a generator that yields after each chunk of chunk_size prompt tokens and
-        replies when done (the checks, the prefix lookup and the page reservation come first).
+    def _prefill(self, message: m.Prefill, reply: Reply,
+                 spans: list[ImageSpan] | None = None) -> Iterator[PromptChunk | None]:
+        """A prefill as a generator (the checks, the prefix lookup and the page reservation come
+        first): it yields each prompt chunk for `_advance` to run, or None after each chunk of a
+        `full` prefill (which runs its own), and replies when the decoder has answered.
         `spans`: the prompt's image spans (Engram rows are then looked up here: the engram component
         does not know which positions are dead)."""
         rid, ids = message.request_id, m.unpack_ids(message.ids, self.vocab_size)
@@ -262,7 +311,7 @@ class EncoderComponent(Component):
         for start in range(0, len(ids), self.core.chunk_size):
             if start:
                 self._full_jobs.add(rid)
-                yield start
+                yield None
             chunk = ids[start : start + self.core.chunk_size]
             fetch = functools.partial(rows_for, start, start + len(chunk)) if rows_for else None
             answer = self.decoder.call(*self._decoder_step(rid, seq, chunk, fetch, first=start == 0, spans=spans))
@@ -461,7 +510,7 @@ class EncoderComponent(Component):
         """Forget a request here (its prefill, sequence and Engram rows); True if it had a sequence."""
         job = self.jobs.pop(request_id, None)
         if job is not None:
-            job[0].close()
+            job.steps.close()
         held = self._holds(request_id)
         self.sequences.pop(request_id)
         self.mailbox.drop(request_id)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,25 @@ class Sequence:
 
     def count_pages(self) -> None:
         self.counters.pages_in_use = self.cache.pages_in_use()
+
+
+@dataclass
+class PromptChunk:
+    """Positions start..end-1 of a prompt through the encoder layers: the work a prefill asks for
+    (`encode_prompt_steps`), run by `encode_chunks` alone or with other prompts' chunks."""
+
+    seq: Sequence
+    tokens: torch.Tensor  # [1, n]: the whole prompt
+    start: int
+    end: int
+    keep_from: int  # the streams of positions from here on are returned (the decoder replay's input)
+    replay: bool = False  # a cached prefix's tail: SWA positions from `start` only, no entry written
+    rows_for: Callable[[int, int], dict | None] | None = None  # prefetched Engram rows of (start, end)
+    spans: list[ImageSpan] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
 
 
 class PrefetchedRows(Mapping):
@@ -214,13 +234,15 @@ class InferenceCore:
     def encode_prompt(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0, rows_for=None,
                       snapshot: bytes | None = None, snapshot_at: int | None = None,
                       spans: list[ImageSpan] | None = None):
-        """`encode_prompt_steps` run to the end (see there)."""
+        """`encode_prompt_steps` run to the end, one chunk at a time (see there)."""
         steps = self.encode_prompt_steps(seq, tokens, exact, cached, rows_for, snapshot, snapshot_at, spans)
+        result = None
         while True:
             try:
-                next(steps)
+                chunk = steps.send(result)
             except StopIteration as done:
                 return done.value
+            result = self.encode_chunks([chunk])[0]
 
     def encode_prompt_steps(self, seq: Sequence, tokens: torch.Tensor, exact: bool, cached: int = 0,
                             rows_for=None, snapshot: bytes | None = None, snapshot_at: int | None = None,
@@ -233,10 +255,11 @@ class InferenceCore:
         every decoder layer's start. `rows_for(start, end)` supplies prefetched Engram rows (None:
         look them up here). A pooled `snapshot` of the encoder rings at `cached` replaces the encoder
         replay when the decoder replay starts inside the new tokens (the result is then exact); the
-        rings at `snapshot_at` are kept in `seq.snapshots`. A generator: it yields the positions
-        done after each chunk (so a scheduler can run decode steps of other sequences between chunks)
-        and returns (x, pre_mix, starts). `spans`: the prompt's image spans (embeddings, bias_vl
-        routing, dead for Engram), wherever a chunk or the replay meets them."""
+        rings at `snapshot_at` are kept in `seq.snapshots`. A generator: it yields each chunk of work
+        as a `PromptChunk` and takes back what `encode_chunks` returned for it (so a scheduler can
+        run decode steps of other sequences between chunks, and chunks of several prompts as one
+        batch), and returns (x, pre_mix, starts). `spans`: the prompt's image spans (embeddings,
+        bias_vl routing, dead for Engram), wherever a chunk or the replay meets them."""
         n = tokens.size(1)
         starts = self._decoder_starts(n, exact)
         kept = []
@@ -244,14 +267,12 @@ class InferenceCore:
             restore_encoder_rings(seq.cache, self.encoder_ids, snapshot)
         elif cached:
             replay_from = max(0, cached - self.window)
-            kept.append(self._encode(seq, tokens, replay_from, cached, starts[0], True, rows_for, spans))
+            kept.append((yield PromptChunk(seq, tokens, replay_from, cached, starts[0], True, rows_for, spans)))
             seq.counters.replayed_layer_tokens += (cached - replay_from) * len(self.encoder)
         for start, end in self._chunks(cached, n, snapshot_at):
-            kept.append(self._encode(seq, tokens, start, end, starts[0], False, rows_for, spans))
+            kept.append((yield PromptChunk(seq, tokens, start, end, starts[0], False, rows_for, spans)))
             if end == snapshot_at:
                 seq.snapshots[end] = encoder_rings(seq.cache, self.encoder_ids)
-            if end < n:
-                yield end
         x = torch.cat([k[0] for k in kept if k is not None], dim=1)
         pre_mix = torch.cat([k[1] for k in kept if k is not None], dim=1)
         seq.cache.length = n
@@ -285,28 +306,47 @@ class InferenceCore:
         r = min(t.size(1) for t in targets)
         return torch.cat([t[0, t.size(1) - r :] for t in targets], dim=-1)
 
-    def _encode(self, seq: Sequence, tokens: torch.Tensor, start: int, end: int, keep_from: int,
-                replay: bool = False, rows_for=None, spans: list[ImageSpan] | None = None):
-        """Encoder layers on positions start..end-1; returns the streams from keep_from on (or None).
-        A replay sees SWA positions from `start` only and leaves every global KV entry as loaded."""
-        cache, first_decoder = seq.cache, self.decoder[0]
-        mask = image_mask(spans, start, end - start)
-        x, pre_mix, rows, live = self.model.begin(tokens[:, start:end], start, cache, mask, spans)
-        if rows_for is not None:
-            rows = PrefetchedRows(lambda: rows_for(start, end), rows, self.model)
-        shared = SharedAttention(start=start, cache=cache, emit_entries=not replay,
-                                 window_floor=start if replay else 0, scored=seq.counters.indexer_scored)
+    @torch.inference_mode()
+    def encode_chunks(self, chunks: list[PromptChunk]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Run prompt chunks (each of another sequence) through the encoder layers as one batch: the
+        per-token work once over all their tokens, attention per sequence. Returns each chunk's
+        streams from its keep_from on (None when it ends before). A replay runs alone."""
+        if len({id(chunk.seq) for chunk in chunks}) != len(chunks) or (len(chunks) > 1 and any(
+                chunk.replay for chunk in chunks)):
+            raise ValueError("a batch of prompt chunks takes one chunk per sequence, and a replay alone")
+        first_decoder = self.decoder[0]
+        parts, xs, pre_mixes, rows = [], [], [], []
+        for chunk in chunks:
+            start, end, seq = chunk.start, chunk.end, chunk.seq
+            x, pre_mix, row_ids, _ = self.model.begin(chunk.tokens[:, start:end], start, seq.cache,
+                                                      image_mask(chunk.spans, start, chunk.size), chunk.spans)
+            xs.append(x)
+            pre_mixes.append(pre_mix)
+            fetch = functools.partial(chunk.rows_for, start, end) if chunk.rows_for is not None else None
+            rows.append(PrefetchedRows(fetch, row_ids, self.model) if fetch is not None else row_ids)
+            parts.append(SharedAttention(start=start, cache=seq.cache, emit_entries=not chunk.replay,
+                                         window_floor=start if chunk.replay else 0,
+                                         scored=seq.counters.indexer_scored))
+        sizes = [chunk.size for chunk in chunks]
+        shared, rows = _shared(parts, sizes), rows[0] if len(rows) == 1 else self._batch_rows(rows)
+        x, pre_mix = torch.cat(xs, dim=1), torch.cat(pre_mixes, dim=1)
+        mask = _batch_mask([chunk.spans for chunk in chunks], [chunk.start for chunk in chunks], sizes)
+        live = None if mask is None else ~mask
         for layer in self.encoder:
             x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live, mask)
-        seq.counters.encoder_layer_tokens += (end - start) * len(self.encoder)
-        if not replay:  # CED: the decoder's global KV, projected from the encoder output
-            x20 = first_decoder.attn_norm(mhc.collapse(x, pre_mix))
-            table = table_for(self.model.config.text_config, first_decoder.spec.rope, cache.capacity)
-            first_decoder.attn.project_entries(x20, table, shared)
-        if end <= keep_from:
-            return None
-        cut = max(0, keep_from - start)
-        return x[:, cut:], pre_mix[:, cut:]
+        x20 = None if chunks[0].replay else first_decoder.attn_norm(mhc.collapse(x, pre_mix))
+        out = []
+        for chunk, part, own, own_mix, own_x20 in zip(chunks, parts, x.split(sizes, dim=1),
+                                                      pre_mix.split(sizes, dim=1),
+                                                      [None] * len(chunks) if x20 is None else x20.split(sizes, dim=1),
+                                                      strict=True):
+            chunk.seq.counters.encoder_layer_tokens += chunk.size * len(self.encoder)
+            if not chunk.replay:  # CED: the decoder's global KV, projected from the encoder output
+                table = table_for(self.model.config.text_config, first_decoder.spec.rope, chunk.seq.cache.capacity)
+                first_decoder.attn.project_entries(own_x20, table, part)
+            cut = max(0, chunk.keep_from - chunk.start)
+            out.append(None if chunk.end <= chunk.keep_from else (own[:, cut:], own_mix[:, cut:]))
+        return out
 
     def _decoder_starts(self, n: int, exact: bool) -> list[int]:
         """First position each decoder layer runs on. Bounded replay: the last W tokens everywhere.

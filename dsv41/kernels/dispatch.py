@@ -37,5 +37,6 @@ def index_scores(q, weights, keys, entry_ids=None):
     return _backend(q).index_scores(q, weights, keys, entry_ids)
 
 
-def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float):
-    return _backend(x).mhc_update(x, f, post, comb, mix, fn, scale, base, iters, hc_eps, norm_eps)
+def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float,
+               rows: list[int] | None = None):
+    return _backend(x).mhc_update(x, f, post, comb, mix, fn, scale, base, iters, hc_eps, norm_eps, rows)

@@ -107,10 +107,11 @@ def index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
     return numerics.wide(dots.relu() * weights.unsqueeze(-1)).sum(dim=1).to(dots.dtype)
 
 
-def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float):
+def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float,
+               rows: list[int] | None = None):
     """x [..., 4, d] bf16 stream, f [..., d] bf16 sub-layer output, post [..., 4], comb [..., 4, 4],
-    mix [..., 4]; fn/scale/base: the next sub-layer's predictor. Returns (new stream, its collapse
-    by mix, pre, post, comb of the next sub-layer)."""
+    mix [..., 4]; fn/scale/base: the next sub-layer's predictor; rows: as `mhc.predict` takes them.
+    Returns (new stream, its collapse by mix, pre, post, comb of the next sub-layer)."""
     y = mhc.expand(f, x, post, comb)
-    pre_n, post_n, comb_n = mhc.predict(y, fn, scale, base, x.size(-2), iters, hc_eps, norm_eps)
+    pre_n, post_n, comb_n = mhc.predict(y, fn, scale, base, x.size(-2), iters, hc_eps, norm_eps, rows)
     return y, mhc.collapse(y, mix), pre_n, post_n, comb_n

@@ -316,10 +316,11 @@ def _mhc_update_kernel(x_ptr, f_ptr, post_ptr, comb_ptr, mix_ptr, fn_ptr, scale_
     tl.store(comb_out + t * HC * HC + streams[:, None] * HC + streams[None, :], comb_next)
 
 
-def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float):
+def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float,
+               rows: list[int] | None = None):
     """x [..., 4, d] bf16 stream, f [..., d] bf16 sub-layer output, post [..., 4], comb [..., 4, 4],
-    mix [..., 4]; fn/scale/base: the next sub-layer's predictor. Returns (new stream, its collapse
-    by mix, pre, post, comb of the next sub-layer)."""
+    mix [..., 4]; fn/scale/base: the next sub-layer's predictor (`rows` is not needed: every token is
+    its own program). Returns (new stream, its collapse by mix, pre, post, comb of the next sub-layer)."""
     *lead, hc, d = x.shape
     if hc != 4:
         raise ValueError(f"the fused mHC kernel handles 4 streams, got {hc}")

@@ -313,6 +313,23 @@ class Attention(nn.Module):
             gathered = self._gather_entries([chosen for _, _, chosen in pieces], batch.parts)
             joined = [self._with_entries(values, idx, *entries) for (values, idx), entries in zip(joined, gathered,
                                                                                                   strict=True)]
+        # one attention call per table width: padding a table would lengthen its last chunk of
+        # indices, and a chunk's sums in default numerics depend on its length (not in stable ones)
+        by_width: dict[int, list[int]] = {}
+        for i, (_, idx) in enumerate(joined):
+            by_width.setdefault(0 if numerics.is_stable() else idx.size(-1), []).append(i)
+        if len(by_width) == 1:
+            return self._attend_joined(q, joined)
+        queries, out = q.split(batch.sizes, dim=1), [None] * len(joined)
+        for members in by_width.values():
+            got = self._attend_joined(torch.cat([queries[i] for i in members], dim=1), [joined[i] for i in members])
+            for i, rows in zip(members, got.split([batch.sizes[i] for i in members], dim=1), strict=True):
+                out[i] = rows
+        return torch.cat(out, dim=1)
+
+    def _attend_joined(self, q, joined: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One attention call over several sequences' keys [1, n_i, dim] side by side, each table
+        shifted to its keys and padded with unused slots to the widest (q: their rows in order)."""
         keys, tables, offset = [], [], 0
         for values, idx in joined:
             keys.append(values)

@@ -30,21 +30,24 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_scale", _fp32(device, 3))
         self.engram = None  # set by the model for Engram layers
 
-    def coefficients(self, x: torch.Tensor, sub: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def coefficients(self, x: torch.Tensor, sub: str,
+                     rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         fn, scale, base = (getattr(self, f"hc_{sub}_{name}") for name in ("fn", "scale", "base"))
-        return mhc.predict(x, fn, scale, base, self.hc, self.iters, self.hc_eps, self.eps)
+        return mhc.predict(x, fn, scale, base, self.hc, self.iters, self.hc_eps, self.eps, rows)
 
     def forward(
         self, x: torch.Tensor, pre_mix: torch.Tensor, table: torch.Tensor, shared: SharedAttention | SharedBatch,
         image_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hc, dim]; pre_mix is the previous sub-layer's pre. Returns (stream, ffn pre)."""
-        attn_pre, attn_post, attn_comb = self.coefficients(x, "attn")
+        # a batch with several tokens of one sequence predicts each sequence's mixes as it would alone
+        rows = shared.sizes if isinstance(shared, SharedBatch) and max(shared.sizes) > 1 else None
+        attn_pre, attn_post, attn_comb = self.coefficients(x, "attn", rows)
         attn_out = self.attn(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
         # one pass: residual update, the FFN's input collapse and its coefficient prediction
         x, ffn_in, ffn_pre, ffn_post, ffn_comb = dispatch.mhc_update(
             x, attn_out, attn_post, attn_comb, attn_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
-            self.iters, self.hc_eps, self.eps)
+            self.iters, self.hc_eps, self.eps, rows)
         routing = {} if shared.trace is not None else None
         ffn_out = self.ffn(self.ffn_norm(ffn_in), image_mask, routing)
         x = mhc.expand(ffn_out, x, ffn_post, ffn_comb)

@@ -91,14 +91,20 @@ def _normalize_numpy(comb: torch.Tensor, eps: float, iters: int) -> torch.Tensor
 
 def predict(
     x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-    hc: int, iters: int, hc_eps: float, norm_eps: float,
+    hc: int, iters: int, hc_eps: float, norm_eps: float, rows: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients from the stream x [b, s, hc, d]: one RMS statistic over all hc*d values of a
-    token, projected by fn [(2+hc)*hc, hc*d] (norm weights are folded into fn), then split."""
+    token, projected by fn [(2+hc)*hc, hc*d] (norm weights are folded into fn), then split.
+    `rows`: the token counts of a batch's sequences along s; each sequence's projection is then
+    its own GEMM, as alone (an fp32 GEMM's sums change with its row count)."""
     flat = x.flatten(2).float()
     mean_square = numerics.mean(numerics.wide(flat).square(), -1).float()
     rsqrt = numerics.elementwise(torch.rsqrt, mean_square + numerics.scalar(norm_eps))
-    return sinkhorn_split(numerics.linear(flat, fn) * rsqrt, scale, base, hc, iters, hc_eps)
+    if rows is None:
+        mixes = numerics.linear(flat, fn)
+    else:
+        mixes = torch.cat([numerics.linear(part, fn) for part in flat.split(rows, dim=1)], dim=1)
+    return sinkhorn_split(mixes * rsqrt, scale, base, hc, iters, hc_eps)
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
