@@ -16,10 +16,10 @@ default, a fresh store) and measures, from the client's side of /v1/completions 
    to this machine: lengths / --scale, time compressed by --speedup, at most --requests requests.
    Reports the same, plus the share of prompt tokens served from the prefix cache.
 
-Writes benchmarks/results/serve.json.
+Writes benchmarks/results/serve.json (or --out).
 Usage: python benchmarks/serve.py [--model small | --config micro] [--scale 16] [--requests 16]
        [--per-stream 4] [--new-tokens 32] [--decode-prompt 16] [--decode-tokens 64] [--chunk-size 64]
-       [--dspark off|auto|fixed]
+       [--workloads trace,decode,replay] [--dspark off|auto|fixed] [--out PATH]
 """
 
 from __future__ import annotations
@@ -200,11 +200,17 @@ def main() -> None:
     parser.add_argument("--decode-prompt", type=int, default=16, help="Prompt length of the decode workload.")
     parser.add_argument("--decode-tokens", type=int, default=64, help="Output tokens of the decode workload.")
     parser.add_argument("--chunk-size", type=int, default=64, help="Prefill chunk (the per-step prefill budget).")
+    parser.add_argument("--workloads", default="trace,decode,replay",
+                        help="Comma-separated: trace and decode (the concurrency sweep), replay (the Mooncake replay).")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serve.json", help="Where the JSON report goes.")
     parser.add_argument("--dspark", choices=("off", "auto", "fixed"),
                         help="DSpark mode of the served pipeline (default: the pipeline's; auto with a drafter).")
     args = parser.parse_args()
     if args.requests < 1:
         parser.error("--requests must be at least 1")
+    workloads = args.workloads.split(",")
+    if not workloads or set(workloads) - {"trace", "decode", "replay"}:
+        parser.error(f"--workloads takes trace, decode and replay, got {args.workloads!r}")
 
     root = Path(tempfile.mkdtemp(prefix="d41srv", dir="/tmp"))
     model = {"config": args.config, "checkpoint": None} if args.config else {"checkpoint": args.model}
@@ -228,7 +234,7 @@ def main() -> None:
         warm = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600)
         one_request(warm, server.model, [17 + i % 100 for i in range(64)], 4)  # first-call costs out of the way
         report["concurrency"] = {}
-        for workload in ("trace", "decode"):
+        for workload in (w for w in ("trace", "decode") if w in workloads):
             sweep = []
             for level, streams in enumerate((1, 4, 8)):
                 rng, count = random.Random(100 + level), streams * args.per_stream
@@ -241,13 +247,14 @@ def main() -> None:
                 row["throughput_vs_1"] = round(row["output_tokens_per_s"] / sweep[0]["output_tokens_per_s"], 2)
                 row["itl_p99_vs_1"] = round(row["itl_p99_ms"] / sweep[0]["itl_p99_ms"], 2)
             report["concurrency"][workload] = sweep
-        rows = load_trace(args.trace, args.requests)
-        requests = trace_prompts(rows, args.scale, vocab, context, args.new_tokens, seed=7)
-        first = rows[0]["timestamp"]
-        arrivals = [(row["timestamp"] - first) / 1000 / args.speedup for row in rows]
-        report["trace"] = {"file": args.trace.name, "scale": args.scale, "speedup": args.speedup,
-                           **replay(server, requests, arrivals)}
-        print(json.dumps(report["trace"]), flush=True)
+        if "replay" in workloads:
+            rows = load_trace(args.trace, args.requests)
+            requests = trace_prompts(rows, args.scale, vocab, context, args.new_tokens, seed=7)
+            first = rows[0]["timestamp"]
+            arrivals = [(row["timestamp"] - first) / 1000 / args.speedup for row in rows]
+            report["trace"] = {"file": args.trace.name, "scale": args.scale, "speedup": args.speedup,
+                               **replay(server, requests, arrivals)}
+            print(json.dumps(report["trace"]), flush=True)
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -265,12 +272,13 @@ def main() -> None:
                   f"{row['output_tokens_per_s']:>8.1f} {row['throughput_vs_1']:>6.2f} {row['ttft_p50_ms']:>9.1f} "
                   f"{row['ttft_p99_ms']:>9.1f} {row['itl_p50_ms']:>8.1f} {row['itl_p99_ms']:>8.1f} "
                   f"{row['itl_p99_vs_1']:>7.2f}")
-    t = report["trace"]
-    print(f"trace {t['file']} ({t['requests']} requests): {t['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
-          f"{t['ttft_p50_ms']:.0f} ms p99 {t['ttft_p99_ms']:.0f} ms, ITL p50 {t['itl_p50_ms']:.1f} ms p99 "
-          f"{t['itl_p99_ms']:.1f} ms, cached share {t['cached_share']:.1%}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve.json").write_text(json.dumps(report, indent=2) + "\n")
+    if "trace" in report:
+        t = report["trace"]
+        print(f"trace {t['file']} ({t['requests']} requests): {t['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
+              f"{t['ttft_p50_ms']:.0f} ms p99 {t['ttft_p99_ms']:.0f} ms, ITL p50 {t['itl_p50_ms']:.1f} ms p99 "
+              f"{t['itl_p99_ms']:.1f} ms, cached share {t['cached_share']:.1%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

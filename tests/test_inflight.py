@@ -47,6 +47,13 @@ def texts(outcomes: list) -> list[str]:
     return out
 
 
+def served_flight(net: Net, transport: str):
+    """An Echo server on `transport` and an InFlight over a peer of it."""
+    endpoint = net.endpoint(transport)
+    served = net.serve(endpoint)
+    return served, InFlight(net.peer(endpoint), timeout_s=30.0)
+
+
 def settle(flight: InFlight, count: int) -> None:
     deadline = time.monotonic() + WAIT_MS / 1000
     while len(flight) > count and time.monotonic() < deadline:
@@ -56,9 +63,7 @@ def settle(flight: InFlight, count: int) -> None:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_replies_reach_their_own_continuations_and_a_call_acts_on_earlier_ones(net: Net, transport):
-    endpoint = net.endpoint(transport)
-    net.serve(endpoint)
-    flight = InFlight(net.peer(endpoint), timeout_s=30.0)
+    _, flight = served_flight(net, transport)
     got: list = []
     for text in ("alpha", "beta", "boom", "gamma"):
         flight.send(tokenize(text), None, got.append)
@@ -73,9 +78,7 @@ def test_replies_reach_their_own_continuations_and_a_call_acts_on_earlier_ones(n
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_two_requests_under_one_id_settle_in_sending_order(net: Net, transport):
-    endpoint = net.endpoint(transport)
-    net.serve(endpoint)
-    flight = InFlight(net.peer(endpoint), timeout_s=30.0)
+    _, flight = served_flight(net, transport)
     got: list = []
     rid = new_request_id()
     flight.send(tokenize("first", rid), None, got.append)
@@ -86,9 +89,7 @@ def test_two_requests_under_one_id_settle_in_sending_order(net: Net, transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_request_past_its_deadline_fails_once_and_its_late_reply_is_dropped(net: Net, transport):
-    endpoint = net.endpoint(transport)
-    served = net.serve(endpoint)
-    flight = InFlight(net.peer(endpoint), timeout_s=30.0)
+    served, flight = served_flight(net, transport)
     held, after = [], []
     flight.send(tokenize("hold"), None, held.append, timeout_s=0.2)
     assert served.component.entered.wait(WAIT_MS / 1000)
@@ -101,9 +102,7 @@ def test_a_request_past_its_deadline_fails_once_and_its_late_reply_is_dropped(ne
 
 
 def test_a_lost_peer_fails_every_waiting_request(net: Net):
-    endpoint = net.endpoint("ipc")
-    served = net.serve(endpoint)
-    flight = InFlight(net.peer(endpoint), timeout_s=30.0)
+    served, flight = served_flight(net, "ipc")
     got: list = []
     flight.send(tokenize("hold"), None, got.append)
     assert served.component.entered.wait(WAIT_MS / 1000)
