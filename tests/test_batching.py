@@ -212,3 +212,48 @@ def test_prompts_prefilled_together_run_their_chunks_as_batches_and_equal_each_a
             assert tokens_of(supervisor, prompt, 6) == together[9000 + i], i
     finally:
         supervisor.stop()
+
+
+def test_decoder_replays_wait_for_the_inbox_and_a_release_answers_a_waiting_one(tmp_path):
+    """The decoder holds `ced` replays while more messages wait in its inbox, then runs them as one
+    batch: each answer has the logits of the same prefill in process. A Release of a held replay
+    answers that prefill with an error and drops its sequence."""
+    from dsv41.components.context import ComponentContext
+    from dsv41.components.decoder import DecoderComponent
+    from dsv41.engine.core import InferenceCore
+
+    decoder = DecoderComponent(ComponentContext(pipeline_for("thread", tmp_path), {}, tmp_path))
+    inbox = [1]
+    decoder.inbox_size = lambda: inbox[0]
+    core = InferenceCore(decoder.core.model, chunk_size=16)
+    prompts = {9100 + i: ids(n, 40 + n) for i, n in enumerate((23, 40, 17))}
+    answers: dict[int, list] = {}
+
+    def prefill(rid: int, prompt: list[int]) -> None:
+        seq, _ = core.new_sequence(prompt, len(prompt) + 8, packed=True)
+        x, pre_mix, starts = core.encode_prompt(seq, torch.tensor([prompt]), False)
+        group, n, out = seq.cache.groups[decoder.group], len(prompt), m.Frames()
+        request = m.DecoderPrefill(request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
+                                   main_kv=out.add(group.main_kv.raw(slice(0, n))),
+                                   index_k=out.add(group.index_k.raw(slice(0, n))), streams=out.add(x),
+                                   pre_mix=out.add(pre_mix))
+        message, frames = m.decode(m.encode(request, out))
+        decoder.handle(message, frames, lambda answer, out=None, rid=rid: answers.setdefault(rid, []).append(
+            (answer, m.decode(m.encode(answer, out))[1])))
+
+    for rid, prompt in prompts.items():
+        prefill(rid, prompt)
+    decoder.tick()
+    assert not answers and len(decoder.replays) == 3  # more messages wait: the replays wait with them
+    decoder.handle(m.Release(request_id=9101), [], lambda answer, out=None: answers.setdefault(9101, []).append(
+        (answer, [])))
+    error, ack = (answer for answer, _ in answers.pop(9101))
+    assert error.code == m.ErrorCode.UNKNOWN_REQUEST and isinstance(ack, m.Ack)
+    inbox[0] = 0
+    assert decoder.tick()
+    assert decoder.counters["replay_batches"] == 1 and decoder.counters["batched_replays"] == 2
+    assert len(decoder.sequences) == 2
+    for rid in (9100, 9102):
+        (answer, frames), = answers[rid]
+        _, want = core.prefill(prompts[rid], "ced", capacity=len(prompts[rid]) + 8, packed=True)
+        assert torch.equal(m.tensor(answer.logits, frames)[-1], want)

@@ -334,3 +334,51 @@ def test_a_batch_of_prompt_chunks_takes_one_per_sequence_and_a_replay_alone(micr
     replay = PromptChunk(other, torch.tensor([ids]), 0, 8, 0, replay=True)
     with pytest.raises(ValueError, match="a replay alone"):
         core.encode_chunks([chunk, replay])
+
+
+def test_decoder_replays_of_several_prompts_in_one_batch_equal_each_alone(rng):
+    """`ced` decoder replays of prompts shorter and longer than W run as one batch: each prompt's
+    logits, DSpark input, SWA rings and counters are the bits of its replay alone, and the decode
+    steps after them agree; an `exact` replay (a staircase of starts) is refused in a batch."""
+    from dsv41.checkpoint import load_model
+    from dsv41.engine.core import Replay
+
+    model, _ = load_model("small")
+    model.eval()
+    core = InferenceCore(model, chunk_size=64)
+    vocab = model.config.text_config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in (5, 58, 130, 200)]
+
+    def run(batched: bool):
+        seqs, encoded, out = [], [], []
+        with torch.inference_mode():
+            for ids in prompts:
+                seq, _ = core.new_sequence(ids, len(ids) + 8, packed=True)
+                seqs.append(seq)
+                encoded.append(core.encode_prompt(seq, torch.tensor([ids]), False))
+            replays = [Replay(seq, *enc, len(ids)) for seq, enc, ids in zip(seqs, encoded, prompts, strict=True)]
+            if batched:
+                results = core.decoder_replays(replays)
+            else:
+                results = []
+                for r in replays:
+                    targets: list[torch.Tensor] = []
+                    results.append((core.decoder_replay(r.seq, r.x, r.pre_mix, r.starts, r.n, targets), targets))
+            for logits, targets in results:
+                out += [logits, core.replay_hidden(targets)]
+            for round_ in range(2):
+                out += core.step_batch(seqs, [[3 + round_ + i] for i in range(len(seqs))])
+        return out, seqs
+
+    alone, alone_seqs = run(False)
+    batched, batched_seqs = run(True)
+    for want, got in zip(alone, batched, strict=True):
+        assert torch.equal(want, got), f"max diff {(want.float() - got.float()).abs().max()}"
+    for a, b in zip(alone_seqs, batched_seqs, strict=True):
+        assert a.counters == b.counters
+        for layer, ring in a.cache.windows.items():
+            assert torch.equal(ring.data, b.cache.windows[layer].data), layer
+    seq, _ = core.new_sequence(prompts[3], 220, packed=True)
+    exact = Replay(seq, *core.encode_prompt(seq, torch.tensor([prompts[3]]), True), len(prompts[3]))
+    with pytest.raises(ValueError, match="each starting every layer at once"):
+        core.decoder_replays([exact])

@@ -3,7 +3,8 @@
 A `ced`/`exact` prefill arrives as the decoder group's global KV (packed entries projected by the
 encoder) plus the encoder output from where the decoder replay starts; decode steps and
 verification arrive as the encoder output of the new tokens. Returns logits and, for steps,
-DSpark's input (mean over hc copies of the streams entering the target layers).
+DSpark's input (mean over hc copies of the streams entering the target layers). The replays of
+`ced` prefills that arrive together run as one batch (each gets the bits it gets alone).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import torch
 
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
-from dsv41.components.runtime import Component, Reply
+from dsv41.components.runtime import Component, ComponentError, Reply
 from dsv41.components.sequences import Sequences, model_core, page_capacity
 from dsv41.config import Part
-from dsv41.engine.core import Sequence
+from dsv41.engine.core import Replay, Sequence
 from dsv41.engine.speculative import hold_checkpoint, rewind
 from dsv41.model.cache import DecodeCache
 from dsv41.model.vision import ImageSpan
+
+REPLAY_BATCH = 4  # `ced` decoder replays run as one batch (the encoder batches as many prompts' chunks)
 
 
 def _spans(message: m.DecoderPrefill | m.DecoderStep) -> list[ImageSpan] | None:
@@ -46,18 +49,25 @@ class DecoderComponent(Component):
         self.group = plan.decoder_start
         self.limit = self.core.model.config.text_config.max_position_embeddings
         self.sequences = Sequences(context.pipeline.generation.request_timeout_s)
+        # `ced` prefills whose replay has not run: they wait while more messages are in the inbox
+        # (the encoder sends the prefills of one batch of prompt chunks together), then run as one batch
+        self.replays: dict[int, tuple[Replay, Reply]] = {}
 
     @torch.inference_mode()
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         with page_capacity():
             match message:
                 case m.DecoderPrefill():
-                    reply(*self._prefill(message, frames))
+                    self._prefill(message, frames, reply)
                 case m.DecoderStep():
                     reply(*self._step(message, frames))
                 case m.DecoderBatchStep():
                     reply(*self._batch_step(message, frames))
                 case m.Release():
+                    waiting = self.replays.pop(message.request_id, None)
+                    if waiting is not None:
+                        waiting[1](m.error_reply(message.request_id, m.ErrorCode.UNKNOWN_REQUEST, self.name,
+                                                 "released before its prefill's replay ran"))
                     self.sequences.pop(message.request_id)
                     reply(m.Ack(request_id=message.request_id))
 
@@ -78,11 +88,16 @@ class DecoderComponent(Component):
             raise
 
     def tick(self) -> bool:
+        ran = bool(self.replays) and (len(self.replays) >= REPLAY_BATCH or not self.inbox_size())
+        if ran:
+            self._replay()
         self.counters["idle_sequences_dropped"] += self.sequences.sweep()
         self.counters["sequences"], self.counters["pages_in_use"] = len(self.sequences), self.sequences.pages_in_use()
-        return False
+        return ran or bool(self.replays)
 
-    def _prefill(self, message: m.DecoderPrefill, frames: list[memoryview]):
+    def _prefill(self, message: m.DecoderPrefill, frames: list[memoryview], reply: Reply) -> None:
+        """A prefill's sequence and global KV now; its replay runs now when its layers start at
+        different positions (`exact`), else with the other replays waiting (`tick`)."""
         n = message.length
         if len(message.starts) != len(self.core.decoder) or not 0 < n <= message.capacity:
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"{len(message.starts)} layer starts for "
@@ -96,12 +111,40 @@ class DecoderComponent(Component):
                                          f"{descriptor.shape}; expected uint8 [{n}, {store.pool.width}]")
                 store.put_raw(0, rows)
             x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
+            replay = Replay(seq, x, pre_mix, list(message.starts), n, _spans(message))
+            if len(set(message.starts)) == 1:
+                self.replays[message.request_id] = (replay, reply)
+                return
             targets: list[torch.Tensor] = []
-            logits = self.core.decoder_replay(seq, x, pre_mix, list(message.starts), n, targets, spans=_spans(message))
+            logits = self.core.decoder_replay(seq, x, pre_mix, replay.starts, n, targets, spans=replay.spans)
+        reply(*self._replayed(message.request_id, seq, logits, targets))
+
+    def _replay(self) -> None:
+        """Run up to REPLAY_BATCH waiting replays as one batch and answer each; if the batch fails,
+        each of its prefills fails (its sequence dropped) and the component goes on."""
+        batch = list(self.replays.items())[:REPLAY_BATCH]
+        for rid, _ in batch:
+            del self.replays[rid]
+        try:
+            with torch.inference_mode(), page_capacity():
+                results = self.core.decoder_replays([replay for _, (replay, _) in batch])
+        except Exception as e:  # noqa: BLE001 - the batch's prefills fail, the component goes on
+            if not isinstance(e, (m.MessageError, ComponentError)):
+                self.counters["internal_errors"] += 1
+            code = getattr(e, "code", m.ErrorCode.INTERNAL)
+            for rid, (_, reply) in batch:
+                self.sequences.pop(rid)
+                reply(m.error_reply(rid, code, getattr(e, "component", self.name), getattr(e, "text", str(e))))
+            return
+        self.counters.update(replay_batches=1, batched_replays=len(batch))
+        for (rid, (replay, reply)), (logits, targets) in zip(batch, results, strict=True):
+            reply(*self._replayed(rid, replay.seq, logits, targets))
+
+    def _replayed(self, rid: int, seq: Sequence, logits: torch.Tensor, targets: list[torch.Tensor]):
         self.counters.update(prefills=1, replayed_layer_tokens=seq.counters.replayed_layer_tokens,
                              decoder_layer_tokens=seq.counters.decoder_layer_tokens)
         hidden = self.core.replay_hidden(targets) if targets else None  # seeds the drafter's rings
-        return self._answer(message.request_id, seq, logits.unsqueeze(0), hidden)
+        return self._answer(rid, seq, logits.unsqueeze(0), hidden)
 
     def _step(self, message: m.DecoderStep, frames: list[memoryview]):
         rid = message.request_id

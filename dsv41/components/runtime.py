@@ -138,6 +138,8 @@ class Component:
 
     def __init__(self):
         self.counters: Counter[str] = Counter()
+        # messages waiting in the runtime's inbox (set by the Server): work can wait for more of its kind
+        self.inbox_size: Callable[[], int] = lambda: 0
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         raise NotImplementedError
@@ -163,6 +165,7 @@ class Server:
         self.ctx = ctx or zmq.Context.instance()
         self.stop_event = threading.Event()
         self.inbox: queue.Queue = queue.Queue()
+        component.inbox_size = self.inbox.qsize
         self._out_endpoint = f"inproc://dsv41-out-{id(self)}"
         self._lock = _IpcLock(endpoint) if endpoint.startswith("ipc://") else None
         tcp_keys = keys_dir if endpoint.startswith("tcp://") else None

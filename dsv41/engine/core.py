@@ -79,6 +79,19 @@ class PromptChunk:
         return self.end - self.start
 
 
+@dataclass
+class Replay:
+    """A `ced` prefill's decoder half for `InferenceCore.decoder_replays`: the encoder output streams
+    x of positions n - x.size(1).., every decoder layer's start, the prompt length and its spans."""
+
+    seq: Sequence
+    x: torch.Tensor
+    pre_mix: torch.Tensor
+    starts: list[int]
+    n: int
+    spans: list[ImageSpan] | None = None
+
+
 class PrefetchedRows(Mapping):
     """Engram rows by table index, fetched when the first Engram layer asks (so the fetch overlaps
     the layers before it); when `fetch` gives None they are looked up here from the row ids."""
@@ -298,6 +311,38 @@ class InferenceCore:
         seq.cache.length = n
         seq.count_pages()
         return self.model.finish(x[:, -1:], pre_mix[:, -1:])[1][0, -1]
+
+    @torch.inference_mode()
+    def decoder_replays(self, replays: list[Replay]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """`decoder_replay` of several sequences as one batch (the per-token work once over all
+        their positions, attention per sequence); each must start every decoder layer at one
+        position (`ced`). Returns each one's logits [vocab] at its last position and its DSpark
+        input per target layer (for `replay_hidden`)."""
+        if any(len(set(r.starts)) != 1 for r in replays) or len({id(r.seq) for r in replays}) != len(replays):
+            raise ValueError("batched decoder replays take one per sequence, each starting every layer at once")
+        parts, xs, pre_mixes, sizes = [], [], [], []
+        for r in replays:
+            start, drop = r.starts[0], r.starts[0] - (r.n - r.x.size(1))
+            xs.append(r.x[:, drop:])
+            pre_mixes.append(r.pre_mix[:, drop:])
+            sizes.append(r.n - start)
+            parts.append(SharedAttention(start=start, cache=r.seq.cache, emit_entries=False, window_floor=start,
+                                         scored=r.seq.counters.indexer_scored))
+        shared, targets = _shared(parts, sizes), []
+        x, pre_mix = torch.cat(xs, dim=1), torch.cat(pre_mixes, dim=1)
+        mask = _batch_mask([r.spans for r in replays], [r.starts[0] for r in replays], sizes)
+        for layer in self.decoder:
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, targets=targets, image_mask=mask)
+        out = []
+        for i, (r, own, own_mix) in enumerate(zip(replays, x.split(sizes, dim=1), pre_mix.split(sizes, dim=1),
+                                                  strict=True)):
+            r.seq.counters.decoder_layer_tokens += sizes[i] * len(self.decoder)
+            r.seq.counters.replayed_layer_tokens += sizes[i] * len(self.decoder)
+            r.seq.cache.length = r.n
+            r.seq.count_pages()
+            logits = self.model.finish(own[:, -1:], own_mix[:, -1:])[1][0, -1]
+            out.append((logits, [t.split(sizes, dim=1)[i] for t in targets]))
+        return out
 
     @staticmethod
     def replay_hidden(targets: list[torch.Tensor]) -> torch.Tensor:
