@@ -274,6 +274,16 @@ def test_batched_decode_entries_and_selection_equal_the_per_sequence_path(rng, m
         assert torch.equal(got, want)
 
 
+def _assert_same_bits(alone: list, batched: list, alone_seqs: list, batched_seqs: list) -> None:
+    """Every output, counter and SWA ring of the batched run is the alone run's, bit for bit."""
+    for want, got in zip(alone, batched, strict=True):
+        assert torch.equal(want, got), f"max diff {(want.float() - got.float()).abs().max()}"
+    for a, b in zip(alone_seqs, batched_seqs, strict=True):
+        assert a.counters == b.counters
+        for layer, ring in a.cache.windows.items():
+            assert torch.equal(ring.data, b.cache.windows[layer].data), layer
+
+
 def _drive_prefills(core: InferenceCore, prompts: list[list[int]], modes: list[str], batched: bool):
     """CED/exact prefills of `prompts` driven chunk by chunk: each prompt's chunks alone, one prompt
     after another, or every prompt's next chunk in one `encode_chunks` batch; then the decoder
@@ -315,12 +325,7 @@ def test_prompt_chunks_of_several_prefills_in_one_batch_equal_each_prompt_alone(
     with torch.inference_mode():
         alone, alone_seqs = _drive_prefills(core, prompts, modes, batched=False)
         batched, batched_seqs = _drive_prefills(core, prompts, modes, batched=True)
-    for want, got in zip(alone, batched, strict=True):
-        assert torch.equal(want, got), f"max diff {(want - got).abs().max()}"
-    for a, b in zip(alone_seqs, batched_seqs, strict=True):
-        assert a.counters == b.counters
-        for layer, ring in a.cache.windows.items():
-            assert torch.equal(ring.data, b.cache.windows[layer].data), layer
+    _assert_same_bits(alone, batched, alone_seqs, batched_seqs)
 
 
 def test_a_batch_of_prompt_chunks_takes_one_per_sequence_and_a_replay_alone(micro, rng):
@@ -372,12 +377,7 @@ def test_decoder_replays_of_several_prompts_in_one_batch_equal_each_alone(rng):
 
     alone, alone_seqs = run(False)
     batched, batched_seqs = run(True)
-    for want, got in zip(alone, batched, strict=True):
-        assert torch.equal(want, got), f"max diff {(want.float() - got.float()).abs().max()}"
-    for a, b in zip(alone_seqs, batched_seqs, strict=True):
-        assert a.counters == b.counters
-        for layer, ring in a.cache.windows.items():
-            assert torch.equal(ring.data, b.cache.windows[layer].data), layer
+    _assert_same_bits(alone, batched, alone_seqs, batched_seqs)
     seq, _ = core.new_sequence(prompts[3], 220, packed=True)
     exact = Replay(seq, *core.encode_prompt(seq, torch.tensor([prompts[3]]), True), len(prompts[3]))
     with pytest.raises(ValueError, match="each starting every layer at once"):
