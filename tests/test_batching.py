@@ -217,7 +217,8 @@ def test_prompts_prefilled_together_run_their_chunks_as_batches_and_equal_each_a
 def test_decoder_replays_wait_for_the_inbox_and_a_release_answers_a_waiting_one(tmp_path):
     """The decoder holds `ced` replays while more messages wait in its inbox, then runs them as one
     batch: each answer has the logits of the same prefill in process. A Release of a held replay
-    answers that prefill with an error and drops its sequence."""
+    answers that prefill with an error and drops its sequence; a batch that fails answers each of
+    its prefills with the error, and the decoder goes on."""
     from dsv41.components.context import ComponentContext
     from dsv41.components.decoder import DecoderComponent
     from dsv41.engine.core import InferenceCore
@@ -257,3 +258,17 @@ def test_decoder_replays_wait_for_the_inbox_and_a_release_answers_a_waiting_one(
         (answer, frames), = answers[rid]
         _, want = core.prefill(prompts[rid], "ced", capacity=len(prompts[rid]) + 8, packed=True)
         assert torch.equal(m.tensor(answer.logits, frames)[-1], want)
+    # a batch that fails answers each of its prefills with the error and drops their sequences
+    real = decoder.core.decoder_replays
+    decoder.core.decoder_replays = lambda replays: (_ for _ in ()).throw(RuntimeError("replay broke"))
+    prefill(9103, prompts[9101])
+    assert decoder.tick()
+    (error, _), = answers[9103]
+    assert error.code == m.ErrorCode.INTERNAL and "RuntimeError: replay broke" in error.text
+    assert len(decoder.sequences) == 2 and decoder.counters["internal_errors"] == 1
+    decoder.core.decoder_replays = real  # and the component goes on
+    prefill(9104, prompts[9101])
+    decoder.tick()
+    (answer, frames), = answers[9104]
+    _, want = core.prefill(prompts[9101], "ced", capacity=len(prompts[9101]) + 8, packed=True)
+    assert torch.equal(m.tensor(answer.logits, frames)[-1], want)

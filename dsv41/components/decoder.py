@@ -16,7 +16,7 @@ import torch
 
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
-from dsv41.components.runtime import Component, ComponentError, Reply
+from dsv41.components.runtime import Component, Reply
 from dsv41.components.sequences import Sequences, model_core, page_capacity
 from dsv41.config import Part
 from dsv41.engine.core import Replay, Sequence
@@ -129,12 +129,10 @@ class DecoderComponent(Component):
             with torch.inference_mode(), page_capacity():
                 results = self.core.decoder_replays([replay for _, (replay, _) in batch])
         except Exception as e:  # noqa: BLE001 - the batch's prefills fail, the component goes on
-            if not isinstance(e, (m.MessageError, ComponentError)):
-                self.counters["internal_errors"] += 1
-            code = getattr(e, "code", m.ErrorCode.INTERNAL)
+            error = self.error_fields(e)
             for rid, (_, reply) in batch:
                 self.sequences.pop(rid)
-                reply(m.error_reply(rid, code, getattr(e, "component", self.name), getattr(e, "text", str(e))))
+                reply(m.error_reply(rid, *error))
             return
         self.counters.update(replay_batches=1, batched_replays=len(batch))
         for (rid, (replay, reply)), (logits, targets) in zip(batch, results, strict=True):

@@ -197,8 +197,9 @@ class EncoderComponent(Component):
             with torch.inference_mode(), page_capacity():
                 results = self.core.encode_chunks([self.jobs[r].pending for r in batch])
         except Exception as e:  # noqa: BLE001 - the batch's prefills fail, the component goes on
+            error = self.error_fields(e)
             for r in batch:
-                self._fail_with(r, self.jobs[r].reply, e)
+                self._fail_job(r, self.jobs[r].reply, *error)
             return True
         self.counters["prefill_batches"] += 1
         self.counters["prefill_batched_chunks"] += len(batch)
@@ -216,15 +217,7 @@ class EncoderComponent(Component):
         except StopIteration:
             self.jobs.pop(rid, None)
         except Exception as e:  # noqa: BLE001 - a failing prefill fails alone
-            self._fail_with(rid, job.reply, e)
-
-    def _fail_with(self, rid: int, reply: Reply, error: Exception) -> None:
-        if isinstance(error, (m.MessageError, ComponentError)):
-            self._fail_job(rid, reply, error.code, getattr(error, "component", self.name),
-                           getattr(error, "text", str(error)))
-            return
-        self.counters["internal_errors"] += 1
-        self._fail_job(rid, reply, m.ErrorCode.INTERNAL, self.name, f"{type(error).__name__}: {error}")
+            self._fail_job(rid, job.reply, *self.error_fields(e))
 
     def _holds(self, rid: int) -> bool:
         try:
@@ -333,12 +326,8 @@ class EncoderComponent(Component):
         try:
             answer, out = _relay(*raise_error(outcome))
             answer = finish(answer)
-        except ComponentError as e:
-            fail(e.code, e.component, e.text)
-            return
         except Exception as e:  # noqa: BLE001 - a reply that cannot be passed on fails its request alone
-            self.counters["internal_errors"] += 1
-            fail(m.ErrorCode.INTERNAL, self.name, f"{type(e).__name__}: {e}")
+            fail(*self.error_fields(e))
             return
         reply(answer, out)
 

@@ -144,6 +144,16 @@ class Component:
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         raise NotImplementedError
 
+    def error_fields(self, error: Exception) -> tuple[m.ErrorCode, str, str]:
+        """How a request that failed with `error` is answered: the code, the component that failed
+        and why. Anything but a MessageError or ComponentError is an internal error (counted)."""
+        if isinstance(error, m.MessageError):
+            return error.code, self.name, str(error)
+        if isinstance(error, ComponentError):
+            return error.code, error.component, error.text
+        self.counters["internal_errors"] += 1
+        return m.ErrorCode.INTERNAL, self.name, f"{type(error).__name__}: {error}"
+
     def deliver(self, message: m.Message, frames: list[memoryview]) -> None:
         """Take an `early` message on the I/O thread (it must not block)."""
 
@@ -263,14 +273,8 @@ class Server:
 
         try:
             self.component.handle(message, frames, reply)
-        except m.MessageError as e:
-            reply(m.error_reply(m.request_id_of(message), e.code, self.component.name, str(e)))
-        except ComponentError as e:
-            reply(m.error_reply(m.request_id_of(message), e.code, e.component, e.text))
         except Exception as e:  # noqa: BLE001 - a failing request fails alone
-            self.component.counters["internal_errors"] += 1
-            reply(m.error_reply(m.request_id_of(message), m.ErrorCode.INTERNAL, self.component.name,
-                                f"{type(e).__name__}: {e}"))
+            reply(m.error_reply(m.request_id_of(message), *self.component.error_fields(e)))
 
     def stop(self) -> None:
         self.stop_event.set()
