@@ -103,7 +103,9 @@ def test_training_leaves_the_backbone_bit_identical(micro):
 def test_greedy_continuations_are_plain_greedy_decoding(micro):
     model = micro[0]
     prompts = torch.randint(3, 290, (3, 9), generator=torch.Generator().manual_seed(6))
-    data = greedy_continuations(model, prompts, 20, batch=2)
+    done = []
+    data = greedy_continuations(model, prompts, 20, batch=2, progress=done.append)
+    assert done == [2, 1]  # one report per engine batch
     core = InferenceCore(model)
     for row, prompt in zip(data.tokens, prompts, strict=True):
         seq, logits = core.prefill(prompt.tolist(), mode="full")

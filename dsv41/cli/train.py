@@ -209,7 +209,9 @@ def _train_dspark(config_name, model_name, tokenizer_path, corpora, opts, out_di
         corpus = load_corpus(list(corpora), tokenizer, opts.val_fraction)
         click.echo(f"greedy continuations: {opts.samples} training and {opts.val_samples} held-out samples of "
                    f"{opts.seq_len} tokens (cached in {out_dir / 'distill.pt'})...", err=True)
-        trainer = DraftTrainer(backbone, tokenizer, corpus, opts, out_dir)
+        with tqdm(total=opts.samples + opts.val_samples, unit="sample", desc="continuations",
+                  dynamic_ncols=True) as generated:
+            trainer = DraftTrainer(backbone, tokenizer, corpus, opts, out_dir, progress=generated.update)
         if resume is not None:
             trainer.load(resume)
     except ValueError as exc:

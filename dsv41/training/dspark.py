@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from dsv41.training.master import inference_state, to_training
 
 DSPARK_FORMAT = "dsv41-dspark-train-1"
 DISTILL_FORMAT = "dsv41-dspark-distill-1"
+GENERATION_BATCH = 32  # continuations decoded as one engine batch (a batch of 32 costs far less than 32 steps)
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,10 @@ class DraftStep:
 
 
 @torch.inference_mode()
-def greedy_continuations(model: Transformer, prompts: torch.Tensor, length: int, batch: int = 8) -> DistillSet:
+def greedy_continuations(model: Transformer, prompts: torch.Tensor, length: int, batch: int = GENERATION_BATCH,
+                         progress: Callable[[int], None] | None = None) -> DistillSet:
     """Continue each prompt [n, P] greedily to `length` tokens with the served backbone (batched
-    engine steps), keeping main_hidden of every position."""
+    engine steps), keeping main_hidden of every position. `progress(k)`: k more samples are done."""
     core = InferenceCore(model)
     tokens, hidden = [], []
     for chunk in prompts.split(batch):
@@ -101,6 +104,8 @@ def greedy_continuations(model: Transformer, prompts: torch.Tensor, length: int,
             core.release(seq)
         tokens.append(torch.tensor(ids))
         hidden += [torch.cat(p + [p[-1][-1:]]) for p in parts]  # the last position is never a ring entry
+        if progress is not None:
+            progress(len(ids))
     return DistillSet(torch.cat(tokens), torch.stack(hidden))
 
 
@@ -162,7 +167,8 @@ class DraftTrainer:
     """The drafter's training state over a frozen served backbone; drives `loop.run`."""
 
     def __init__(self, backbone: Transformer, tokenizer: Tokenizer, corpus: Corpus, opts: DraftOptions,
-                 out_dir: Path, data: tuple[DistillSet, DistillSet] | None = None):
+                 out_dir: Path, data: tuple[DistillSet, DistillSet] | None = None,
+                 progress: Callable[[int], None] | None = None):
         self.backbone, self.config, self.tokenizer = backbone.eval(), backbone.config, tokenizer
         for p in backbone.parameters():
             p.requires_grad_(False)
@@ -172,7 +178,7 @@ class DraftTrainer:
         if opts.seq_len < opts.prompt_len + self.block + 1:
             raise ValueError(f"seq_len {opts.seq_len} leaves no block after a {opts.prompt_len}-token prompt")
         self.fingerprint = backbone_fingerprint(backbone)
-        self.train_set, self.val_set = data or self._distill_set(corpus)
+        self.train_set, self.val_set = data or self._distill_set(corpus, progress)
         self.model = new_drafter(self.config, opts.seed)
         self.drafter = Drafter(backbone, self.model)
         self.balance = RouterBalance(self.model, opts.balance_rate)
@@ -185,9 +191,10 @@ class DraftTrainer:
         self.step = 0
         self.metrics: dict = {}
 
-    def _distill_set(self, corpus: Corpus) -> tuple[DistillSet, DistillSet]:
+    def _distill_set(self, corpus: Corpus, progress: Callable[[int], None] | None) -> tuple[DistillSet, DistillSet]:
         """The greedy continuations, cached in the output folder (deterministic for the backbone,
-        the options and the thread count, so a resumed run reads the same set)."""
+        the options and the thread count, so a resumed run reads the same set; a batch's rows are
+        each what they would be alone, so the generation batch does not matter)."""
         opts = self.opts
         key = {"backbone": self.fingerprint, "seed": opts.seed, "prompt_len": opts.prompt_len,
                "seq_len": opts.seq_len, "samples": opts.samples, "val_samples": opts.val_samples,
@@ -199,8 +206,8 @@ class DraftTrainer:
             if saved.get("format") == DISTILL_FORMAT and saved["key"] == key:
                 return DistillSet(*saved["train"]), DistillSet(*saved["val"])
         train_prompts, val_prompts = distill_prompts(corpus, opts)
-        sets = (greedy_continuations(self.backbone, train_prompts, opts.seq_len),
-                greedy_continuations(self.backbone, val_prompts, opts.seq_len))
+        sets = (greedy_continuations(self.backbone, train_prompts, opts.seq_len, progress=progress),
+                greedy_continuations(self.backbone, val_prompts, opts.seq_len, progress=progress))
         self.out.mkdir(parents=True, exist_ok=True)
         _atomic_save({"format": DISTILL_FORMAT, "key": key, "train": [sets[0].tokens, sets[0].hidden],
                       "val": [sets[1].tokens, sets[1].hidden]}, path)
