@@ -7,7 +7,8 @@ default, a fresh store) and measures, from the client's side of /v1/completions 
    over the wall time, TTFT and inter-token latency (time between two streamed chunks of a request)
    p50/p99. Each level has its own prompts (so no level is helped by another's prefix-cache entries).
    Two workloads: `trace`, prompt and output lengths drawn from the Azure conversation trace
-   (lengths / --scale, outputs at most --new-tokens), and `decode`, short prompts
+   (lengths / --scale, outputs at most --new-tokens; one draw of 8 x --per-stream requests that
+   every level runs, so the levels compare the same work), and `decode`, short prompts
    (--decode-prompt tokens) and --decode-tokens outputs, where the batched decode step is nearly
    all the work. Goal: 8 streams give >= 4x the output tokens/s of one, with p99 inter-token
    latency <= 3x.
@@ -235,11 +236,12 @@ def main() -> None:
         one_request(warm, server.model, [17 + i % 100 for i in range(64)], 4)  # first-call costs out of the way
         report["concurrency"] = {}
         for workload in (w for w in ("trace", "decode") if w in workloads):
-            sweep = []
-            for level, streams in enumerate((1, 4, 8)):
-                rng, count = random.Random(100 + level), streams * args.per_stream
-                lengths = (trace_lengths(args.lengths, count, args.scale, args.new_tokens, seed=level)
-                           if workload == "trace" else [(args.decode_prompt, args.decode_tokens)] * count)
+            sweep, levels = [], (1, 4, 8)
+            drawn = trace_lengths(args.lengths, max(levels) * args.per_stream, args.scale, args.new_tokens, seed=0)
+            for level, streams in enumerate(levels):
+                rng = random.Random(100 + level)
+                lengths = drawn if workload == "trace" else [(args.decode_prompt, args.decode_tokens)] * (
+                    streams * args.per_stream)  # (equal requests: fewer do for one stream)
                 requests = [([rng.randrange(17, vocab) for _ in range(p)], o) for p, o in lengths]
                 sweep.append({"workload": workload, **closed_loop(server, streams, requests)})
                 print(json.dumps(sweep[-1]), flush=True)
