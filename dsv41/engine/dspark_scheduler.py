@@ -75,11 +75,14 @@ class Calibration:
 class RoundChooser:
     """Speculate this round or not: whichever kind of round has emitted more tokens per second
     (drafting and stepping included) at this batch size. The other kind is tried again after
-    `explore` rounds, and each try that confirms it is worse doubles that wait (up to `longest`, so
-    a change of load or of text is noticed within that many rounds):
-    at batch 8 a speculative round costs nearly two plain ones, so trying it often would cost more
-    than it finds. Each kind is tried first until it has a rate. A rate is decayed tokens over
-    decayed seconds, so one lucky or unlucky block does not flip the choice."""
+    `explore` rounds, and each try that confirms it is worse doubles that wait, up to `explore`
+    rounds per sequence of the batch and at most `longest` (so a change of load or of text is
+    noticed within that many rounds). A try costs what its batch verifies: at batch 8 a
+    speculative round costs nearly two plain ones, so trying it often would cost more than it
+    finds; at batch 1 it costs about a third of a plain round and still emits a token, so a few
+    unlucky first blocks must not shut speculation off for long. Each kind is tried first until it
+    has a rate. A rate is decayed tokens over decayed seconds, so one lucky or unlucky block does
+    not flip the choice."""
 
     def __init__(self, explore: int = 8, longest: int = 32, decay: float = 0.95):
         self.explore, self.longest, self.decay = explore, longest, decay
@@ -113,7 +116,7 @@ class RoundChooser:
             spec, plain = self.rate(batch, True), self.rate(batch, False)
             still_worse = (spec < plain) if speculated else (plain <= spec)
             wait = self.wait.get(batch, self.explore)
-            self.wait[batch] = min(2 * wait, self.longest) if still_worse else self.explore
+            self.wait[batch] = min(2 * wait, self.longest, self.explore * batch) if still_worse else self.explore
 
 
 def _sigmoid(logit: float) -> float:
