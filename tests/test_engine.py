@@ -382,3 +382,20 @@ def test_decoder_replays_of_several_prompts_in_one_batch_equal_each_alone(rng):
     exact = Replay(seq, *core.encode_prompt(seq, torch.tensor([prompts[3]]), True), len(prompts[3]))
     with pytest.raises(ValueError, match="each starting every layer at once"):
         core.decoder_replays([exact])
+
+
+def test_warm_up_leaves_no_pages_and_changes_no_result(micro, rng):
+    from dsv41.model.pages import PagePools
+
+    ids = _prompt(rng, 40)
+    cold = InferenceCore(micro)
+    seq, expected = cold.prefill(ids, packed=True)
+    expected_step = cold.step(seq, [7])
+    warm = InferenceCore(micro)
+    warm.warm_up()
+    assert warm.pages_in_use == 0
+    seq, logits = warm.prefill(ids, packed=True)
+    assert torch.equal(logits, expected) and torch.equal(warm.step(seq, [7]), expected_step)
+    tiny = InferenceCore(micro, pools=PagePools(max_pages=1))
+    tiny.warm_up()  # a pool too small for the throwaway sequence is left alone
+    assert tiny.pages_in_use == 0

@@ -30,13 +30,16 @@ def bound_native_caches(entries: int = NATIVE_CACHE_ENTRIES) -> None:
 
 
 def model_core(context, name: str) -> InferenceCore:
-    """The core a model component runs: the pipeline's chunk size, and global KV page pools bounded
-    by the component's `kv_pages` option (pages per pool; unset: they grow with the requests)."""
+    """The core a model component runs, warmed up: the pipeline's chunk size, and global KV page
+    pools bounded by the component's `kv_pages` option (pages per pool; unset: they grow with the
+    requests)."""
     bound_native_caches()
     pages = context.option(name, "kv_pages", None)
     if pages is not None and (not isinstance(pages, int) or isinstance(pages, bool) or pages < 1):
         raise ValueError(f"components.{name}.options.kv_pages must be a positive integer, got {pages!r}")
-    return InferenceCore(context.build_model(), context.pipeline.generation.chunk_size, PagePools(max_pages=pages))
+    core = InferenceCore(context.build_model(), context.pipeline.generation.chunk_size, PagePools(max_pages=pages))
+    core.warm_up()  # before the component reports ready: the first request does not pay the first calls
+    return core
 
 
 @contextmanager
