@@ -33,7 +33,7 @@ from dsv41.model.image_processor import (
     resize_to_canvas,
 )
 from dsv41.model.trace import Trace
-from dsv41.model.vision import encode_image
+from dsv41.model.vision import encode_image, image_span
 from dsv41.parity import Row, compare, note_flips, top2_gap
 
 NOT_COMPARED = dict(parity.NOT_COMPARED)
@@ -96,8 +96,8 @@ def run_vision_parity(folder: str | Path, decode_mode: str = "official", packed:
             rows.append(compare(group, name, got, io[name]) if got is not None
                         else Row(group, name, False, False, float("nan"), 0, "not produced"))
     for prompt in sorted(golden.index["prompts"]):
-        rows += _prompt_rows(golden, model, prompt, [images[k] for k in _images_of(golden, prompt)], decode_mode,
-                             packed)
+        keys = _images_of(golden, prompt)
+        rows += _prompt_rows(golden, model, prompt, keys, [images[k] for k in keys], decode_mode, packed)
     return rows
 
 
@@ -145,8 +145,8 @@ def _images_of(golden: VisionGolden, prompt: str) -> list[str]:
     return [key for _, key in sorted(found)]
 
 
-def _prompt_rows(golden: VisionGolden, model, prompt: str, images: list[ImageInput], decode_mode: str,
-                 packed: bool) -> list[Row]:
+def _prompt_rows(golden: VisionGolden, model, prompt: str, image_keys: list[str], images: list[ImageInput],
+                 decode_mode: str, packed: bool) -> list[Row]:
     io, config = golden.io, golden.config
     view = PromptView({k[len(prompt) + 1 :]: t for k, t in io.items() if k.startswith(prompt + ".")}, golden.skipped)
     expanded = expand_prompt(view.io["prompt_ids"].tolist(), images, config.image_token_id)
@@ -154,11 +154,16 @@ def _prompt_rows(golden: VisionGolden, model, prompt: str, images: list[ImageInp
     rows = [compare(group, "input_ids", torch.tensor(expanded.ids), view.io["input_ids"]),
             compare(group, "token_types", expanded.types, view.io["token_types"]),
             compare(group, "image_starts", torch.tensor(expanded.starts), view.io["image_starts"])]
-    spans = [encode_image(model, image, start) for image, start in zip(images, expanded.starts, strict=True)]
+    own = [encode_image(model, image, start) for image, start in zip(images, expanded.starts, strict=True)]
     ids = torch.tensor([expanded.ids])
     with torch.inference_mode():
-        merged = model.embed_inputs(ids, spans)
+        merged = model.embed_inputs(ids, own)
     rows.append(compare(group, "embed_merged", merged, view.io["prefill.embed_merged"]))
+    # The text model runs on the recorded aligner output, as decode runs on the recorded tokens: the
+    # tower's last bits follow this CPU's kernels (compared above), and a choice downstream of them
+    # (an FP8 rounding, a Top-k) may flip where the recorded rows would not move it.
+    spans = [image_span(model, image, start, io[f"{key}.aligner.out"])
+             for key, image, start in zip(image_keys, images, expanded.starts, strict=True)]
     cand = config.text_config.candidate_source_layer_id
     capacity = golden.runtime.max_seq_len or (ids.size(1) + view.io["decode.input_ids"].numel() + 1)
     cache = DecodeCache.allocate(config, 1, capacity, official_decode_slots=decode_mode == "official", packed=packed)

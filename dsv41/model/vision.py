@@ -257,6 +257,11 @@ def encode_image(model: nn.Module, image: ImageInput, start: int, trace: Trace |
     with torch.inference_mode():
         features = model.vision(image.patches, plan.n_vit_h, plan.n_vit_w, trace, f"{prefix}vit.")
         aligned = model.aligner(features, plan.n_vit_h, plan.n_vit_w, trace, f"{prefix}aligner.")
+    return image_span(model, image, start, aligned)
+
+
+def image_span(model: nn.Module, image: ImageInput, start: int, aligned: torch.Tensor) -> ImageSpan:
+    """The span of `image` at `start` from the aligner's output rows: the delimiters around them."""
     types = image.types
     rows = torch.empty(types.numel(), aligned.size(-1), dtype=torch.bfloat16)
     for kind, name in DELIMITERS.items():
