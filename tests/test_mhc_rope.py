@@ -91,3 +91,18 @@ def test_rope_touches_only_the_last_dims_and_preserves_norm(rng):
     pairs = lambda t: t[..., 24:].unflatten(-1, (-1, 2)).norm(dim=-1)  # noqa: E731
     assert torch.allclose(pairs(y), pairs(x), atol=1e-5)
     assert torch.allclose(y[:, 0], x[:, 0])  # position 0 is the identity rotation
+
+
+def test_predict_by_rows_equals_each_sequence_alone(rng):
+    """A batch's sequences (`rows`) get the coefficients each would get alone, bit for bit: the GEMM
+    and the gates' sigmoids run per sequence (both change their last bits with the tensor's shape
+    on some CPUs); sizes that put sequences across vector boundaries."""
+    hc, dim = 4, 64
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=rng) * 0.05
+    scale, base = torch.rand(3, generator=rng), torch.randn((2 + hc) * hc, generator=rng) * 0.1
+    for sizes in ([3, 64], [1, 17, 5], [33, 2, 40]):
+        x = (torch.randn(1, sum(sizes), hc, dim, generator=rng) * 4).bfloat16()
+        batched = mhc.predict(x, fn, scale, base, hc, 20, 1e-6, 1e-6, rows=sizes)
+        alone = [mhc.predict(part.contiguous(), fn, scale, base, hc, 20, 1e-6, 1e-6) for part in x.split(sizes, 1)]
+        for got, parts in zip(batched, zip(*alone, strict=True), strict=True):
+            assert torch.equal(got, torch.cat(parts, dim=1))

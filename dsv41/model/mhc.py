@@ -16,10 +16,14 @@ from dsv41.model import numerics
 
 
 def sinkhorn_split(
-    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float
+    mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float,
+    rows: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split raw mixes [..., (2+hc)*hc] into pre [..., hc], post [..., hc] and a doubly stochastic
-    comb [..., hc, hc] (rows i = source copy, cols j = destination copy), all fp32.
+    comb [..., hc, hc] (rows i = source copy, cols j = destination copy), all fp32. `rows`: as
+    `predict` takes them; each sequence's gates are then computed as alone (torch's sigmoid over
+    these hc-wide slices takes vector or scalar code by an element's place in the whole tensor, and
+    the two differ in the last bit on some CPUs); the Sinkhorn iterations are per row anyway.
 
     With DSV41_FAST_MHC=1 an inference call (no autograd, official numerics) runs it compiled
     (`torch.compile`, inductor): about 120 small operators become one kernel, and comb moves by
@@ -27,7 +31,11 @@ def sinkhorn_split(
     args = (mixes, scale, base, numerics.scalar(eps), numerics.scalar(2.0), hc, iters)
     if numerics.opt_in("DSV41_FAST_MHC", "compiled Sinkhorn"):
         return _compiled_split()(*args)
-    pre, post, comb = _gates(*args[:-1])
+    if rows is None:
+        pre, post, comb = _gates(*args[:-1])
+    else:
+        pres, posts, combs = zip(*(_gates(part, *args[1:-1]) for part in mixes.split(rows, dim=-2)), strict=True)
+        pre, post, comb = torch.cat(pres, dim=-2), torch.cat(posts, dim=-2), torch.cat(combs, dim=-3)
     if comb.device.type == "cpu" and not (comb.requires_grad and torch.is_grad_enabled()):
         return pre, post, _normalize_numpy(comb, eps, iters)
     return pre, post, _normalize(comb, args[3], iters)
@@ -95,8 +103,10 @@ def predict(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Coefficients from the stream x [b, s, hc, d]: one RMS statistic over all hc*d values of a
     token, projected by fn [(2+hc)*hc, hc*d] (norm weights are folded into fn), then split.
-    `rows`: the token counts of a batch's sequences along s; each sequence's projection is then
-    its own GEMM, as alone (an fp32 GEMM's sums change with its row count)."""
+    `rows`: the token counts of a batch's sequences along s; each sequence's coefficients are then
+    computed as alone: an fp32 GEMM's sums change with its row count, and the gates' sigmoids over
+    hc-wide slices take vector or scalar code by the element's place in the whole tensor (whose
+    last bits differ on some CPUs)."""
     flat = x.flatten(2).float()
     mean_square = numerics.mean(numerics.wide(flat).square(), -1).float()
     rsqrt = numerics.elementwise(torch.rsqrt, mean_square + numerics.scalar(norm_eps))
@@ -104,7 +114,7 @@ def predict(
         mixes = numerics.linear(flat, fn)
     else:
         mixes = torch.cat([numerics.linear(part, fn) for part in flat.split(rows, dim=1)], dim=1)
-    return sinkhorn_split(mixes * rsqrt, scale, base, hc, iters, hc_eps)
+    return sinkhorn_split(mixes * rsqrt, scale, base, hc, iters, hc_eps, rows)
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
