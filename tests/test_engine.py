@@ -314,6 +314,17 @@ def test_prompt_chunks_of_several_prefills_in_one_batch_equal_each_prompt_alone(
     ones whose entries are written as a batch, prompts of one chunk beside prompts of many, ced and
     exact). In default numerics the logits, the SWA rings and the counters are the same bits as
     prefilling each prompt alone."""
+    _check_prompt_chunks(rng, chunk)
+
+
+def test_prompt_chunks_in_one_batch_on_the_prompts_that_showed_the_gates_place_dependence():
+    """The prompts of seed 866239529: on an AVX-512 CPU, with the mHC and Engram gates computed over
+    the whole batch, their third 64-token chunk beside a 3-token one got other last bits than alone
+    (torch's sigmoid takes vector or scalar code by an element's place; docs/engine.md)."""
+    _check_prompt_chunks(torch.Generator().manual_seed(866239529), 64)
+
+
+def _check_prompt_chunks(rng: torch.Generator, chunk: int) -> None:
     from dsv41.checkpoint import load_model
 
     model, _ = load_model("small")

@@ -181,9 +181,13 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.empty(self.hc, self.dim, dtype=torch.bfloat16, device=device),
                                      requires_grad=False)
 
-    def forward(self, x: torch.Tensor, looked: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, looked: torch.Tensor, live: torch.Tensor | None = None,
+                sizes: list[int] | None = None) -> torch.Tensor:
         """x [b, s, hc, dim]; looked [b, s, n_cols, head_dim]: the rows `embed` looked up for this
-        layer (here, or ahead of need by the engram component)."""
+        layer (here, or ahead of need by the engram component). `sizes`: the token counts of a
+        batch's sequences along s, whose gates are then computed as alone (torch's sigmoid over
+        hc-wide rows takes vector or scalar code by an element's place in the tensor, and the two
+        differ in the last bit on some CPUs)."""
         kv = self.wkv(looked.flatten(-2))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))
@@ -193,7 +197,11 @@ class Engram(nn.Module):
         weight = self.q_weight.float() * self.k_weight.float()
         dot = numerics.wide(h * weight * key).sum(-1).float() * rstd * self.dim**-0.5
         signed_root = torch.copysign(numerics.elementwise(torch.sqrt, dot.abs().clamp_min(1e-6)), dot)
-        gate = numerics.elementwise(torch.sigmoid, signed_root)
+        if sizes is None:
+            gate = numerics.elementwise(torch.sigmoid, signed_root)
+        else:
+            gate = torch.cat([numerics.elementwise(torch.sigmoid, part) for part in signed_root.split(sizes, dim=1)],
+                             dim=1)
         if live is not None:
             gate = gate.masked_fill(~live.unsqueeze(-1), 0)
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(x.dtype)
