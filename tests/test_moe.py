@@ -58,3 +58,21 @@ def test_forward_groups_short_steps_only_and_rebuilds_stacks_after_a_weight_chan
         finally:
             w1.weight.copy_(saved)
         assert torch.equal(_both(moe, x)[1], before)
+
+
+def test_gate_scores_by_sequence_equal_each_sequence_alone(rng):
+    """With `sizes`, each sequence of a multi-token batch gets the router weights and experts it
+    gets alone, bit for bit; odd sizes put a sequence's last scores in the tail that torch's scalar
+    code computes (whose softplus differs from the vector code's in the last bits on some CPUs)."""
+    from dsv41.model.moe import Gate
+
+    gate = Gate(64, 8, 2, 2.5, "sqrtsoftplus", False)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(8, 64, generator=rng).bfloat16())
+        gate.bias.copy_(torch.randn(8, generator=rng) * 0.01)
+    for sizes in [[3, 64], [5, 1, 7], [64, 3]] * 10:  # (the whole batch's scores: a case in 15 differs here)
+        x = (torch.randn(sum(sizes), 64, generator=rng) * 3).bfloat16()
+        weights, ids = gate(x, sizes=sizes)
+        alone = [gate(part.contiguous()) for part in x.split(sizes)]
+        assert torch.equal(weights, torch.cat([w for w, _ in alone]))
+        assert torch.equal(ids, torch.cat([i for _, i in alone]))

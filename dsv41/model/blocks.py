@@ -49,7 +49,7 @@ class Block(nn.Module):
             x, attn_out, attn_post, attn_comb, attn_pre, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
             self.iters, self.hc_eps, self.eps, rows)
         routing = {} if shared.trace is not None else None
-        ffn_out = self.ffn(self.ffn_norm(ffn_in), image_mask, routing)
+        ffn_out = self.ffn(self.ffn_norm(ffn_in), image_mask, routing, rows)
         x = mhc.expand(ffn_out, x, ffn_post, ffn_comb)
         if shared.trace is not None:
             recorded = dict(attn_out=attn_out, ffn_out=ffn_out, out_h=x, out_pre_mix=ffn_pre, **routing,

@@ -38,9 +38,13 @@ class Gate(nn.Module):
             return numerics.elementwise(torch.sigmoid, logits)
         return numerics.elementwise(torch.sqrt, numerics.elementwise(F.softplus, logits))
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, dim] -> (weights [n, topk] fp32, expert ids [n, topk])."""
-        scores = self.scores(x)
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
+                sizes: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, dim] -> (weights [n, topk] fp32, expert ids [n, topk]). `sizes`: the token counts
+        of a batch's sequences along n, whose scores are then computed as alone (an fp32 GEMM's
+        sums change with its row count, and softplus's vector and scalar code, which covers a
+        tensor's last elements, differ in the last bits on some CPUs)."""
+        scores = self.scores(x) if sizes is None else torch.cat([self.scores(part) for part in x.split(sizes)])
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
@@ -92,12 +96,13 @@ class MoE(nn.Module):
         self._stacks: dict[tuple[str, bool], tuple[tuple, tuple[torch.Tensor, ...]]] = {}
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
-                routing: dict | None = None) -> torch.Tensor:
+                routing: dict | None = None, sizes: list[int] | None = None) -> torch.Tensor:
         """Routed outputs are summed in fp32 in increasing expert id, then the shared expert.
-        `routing`, when given, receives the router's choice ('gate_indices', 'gate_weights')."""
+        `routing`, when given, receives the router's choice ('gate_indices', 'gate_weights');
+        `sizes`: a batch's sequences along the tokens, scored each as alone (`Gate.forward`)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        weights, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        weights, ids = self.gate(x, None if image_mask is None else image_mask.reshape(-1), sizes)
         if routing is not None:
             routing.update(gate_indices=ids, gate_weights=weights)
         quantized = quantize_rows(x) if self.shared_experts.w1.scale is not None else None
