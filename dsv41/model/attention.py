@@ -66,6 +66,12 @@ class SharedBatch:
         return max(part.cache.capacity for part in self.parts)
 
     @property
+    def split_sizes(self) -> list[int] | None:
+        """The sequences' token counts when one holds several tokens (per-token work whose bits
+        depend on the batch's shape then runs per sequence, as alone), else None."""
+        return self.sizes if max(self.sizes) > 1 else None
+
+    @property
     def one_decode_token_each(self) -> bool:
         """Every sequence steps one token on a packed cache, all pages in the same pools: the case
         attention runs batched (`Attention.forward` given the batch)."""

@@ -106,8 +106,7 @@ class Transformer(nn.Module):
         if layer.engram is not None:
             index = layer.engram.table_index
             looked = rows[index] if isinstance(rows, Mapping) else layer.engram.embed(rows[:, :, index])
-            sizes = shared.sizes if isinstance(shared, SharedBatch) and max(shared.sizes) > 1 else None
-            x = layer.engram(x, looked, live, sizes)
+            x = layer.engram(x, looked, live, shared.split_sizes if isinstance(shared, SharedBatch) else None)
             if shared.trace is not None:
                 shared.trace.put(spec.layer_id, "engram_out", x)
         if spec.dspark_target and targets is not None:
