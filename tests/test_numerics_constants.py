@@ -25,9 +25,10 @@ def test_constant_tensors_and_mean_equal_the_python_number_forms(rng, dtype):
 
 def test_block_scaled_matmul_adds_the_blocks_in_order_from_plus_zero(rng):
     """The loop it replaced: a zeroed fp32 accumulator, then every block's scaled partial in K order."""
-    for m, n, nk in [(1, 1, 1), (1, 192, 6), (3, 37, 9), (5, 8, 17)]:
+    for m, n, nk in [(1, 1, 1), (1, 1, 24), (1, 192, 6), (3, 37, 9), (5, 8, 17)]:
         a, w = torch.randn(m, nk * 32, generator=rng), torch.randn(n, nk * 32, generator=rng)
-        a[0] = -0.0  # a row of -0 partials: the sum from +0 gives +0
+        if m > 1:
+            a[0] = -0.0  # a row of -0 partials: the sum from +0 gives +0
         a_scale = torch.exp2(torch.randint(-6, 6, (m, nk), generator=rng).float())
         w_scale = torch.exp2(torch.randint(-6, 6, (n, nk), generator=rng).float())
         partials = torch.bmm(a.view(m, nk, 32).transpose(0, 1), w.view(n, nk, 32).permute(1, 2, 0))
@@ -36,3 +37,24 @@ def test_block_scaled_matmul_adds_the_blocks_in_order_from_plus_zero(rng):
         for i in range(nk):
             want.add_(scaled[i])
         assert torch.equal(_bits(block_scaled_matmul(a, a_scale, w, w_scale)), _bits(want))
+
+
+def test_grouped_block_scaled_matmul_adds_each_groups_blocks_in_order_from_plus_zero(rng):
+    """The grouped form (the routed experts; its partials are a strided view) against the same loop
+    per group, with blocks of far-apart scales, so that a pairwise or reordered sum would show."""
+    from dsv41.model.quant import block_major, grouped_block_scaled_matmul
+
+    for g, m, n, nk in [(1, 1, 1, 24), (3, 4, 40, 6), (2, 1, 8, 17)]:
+        a, w = torch.randn(g, m, nk * 32, generator=rng), torch.randn(g, n, nk * 32, generator=rng)
+        if g * m > 1:
+            a[0, 0] = -0.0
+        a_scale = torch.exp2(torch.randint(-12, 12, (g, m, nk), generator=rng).float())
+        w_scale = torch.exp2(torch.randint(-12, 12, (g, n, nk), generator=rng).float())
+        got = grouped_block_scaled_matmul(a, a_scale, block_major(w), w_scale)
+        for i in range(g):
+            partials = torch.bmm(a[i].view(m, nk, 32).transpose(0, 1), w[i].view(n, nk, 32).permute(1, 2, 0))
+            scaled = partials * a_scale[i].t().unsqueeze(-1) * w_scale[i].t().unsqueeze(1)
+            want = torch.zeros(m, n)
+            for j in range(nk):
+                want.add_(scaled[j])
+            assert torch.equal(_bits(got[i]), _bits(want))
