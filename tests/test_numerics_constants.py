@@ -8,7 +8,7 @@ from dsv41.model.quant import block_scaled_matmul
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+    return t.view({torch.float64: torch.int64, torch.bfloat16: torch.int16}.get(t.dtype, torch.int32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -58,3 +58,17 @@ def test_grouped_block_scaled_matmul_adds_each_groups_blocks_in_order_from_plus_
             for j in range(nk):
                 want.add_(scaled[j])
             assert torch.equal(_bits(got[i]), _bits(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dots_equal_the_einsum_they_replace(rng, dtype):
+    """`numerics.dots` (bmm on a transposed view) gives torch.einsum's bits for index-score shapes:
+    MXFP4-rounded bf16 queries and keys, scales far apart, key counts around the GEMM's blockings."""
+    from dsv41.model.quant import mxfp4_qdq
+
+    for n, heads, keys, dim in [(1, 4, 1, 128), (1, 4, 257, 128), (2, 32, 1000, 128), (3, 1, 4099, 64)]:
+        spread = torch.exp2(torch.randint(-30, 30, (n, keys, dim), generator=rng).float())
+        k = mxfp4_qdq(torch.randn(n, keys, dim, generator=rng) * spread).to(dtype)
+        q = mxfp4_qdq(torch.randn(n, heads, dim, generator=rng) * 8).to(dtype)
+        got, want = numerics.dots(q, k), torch.einsum("bhd,btd->bht", q, k)
+        assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))

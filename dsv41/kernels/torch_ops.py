@@ -103,7 +103,7 @@ def index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
     bf16 scores [b, n] for every key, or for entry_ids [b, n] (a candidate pool)."""
     rows = keys if entry_ids is None else gather_rows(keys, entry_ids)
     k = unpack_rows(rows, index_k_format(q.size(-1)))
-    dots = numerics.einsum("bhd,btd->bht", q, k)
+    dots = numerics.dots(q, k)
     return numerics.wide(dots.relu() * weights.unsqueeze(-1)).sum(dim=1).to(dots.dtype)
 
 
