@@ -72,3 +72,42 @@ def test_dots_equal_the_einsum_they_replace(rng, dtype):
         q = mxfp4_qdq(torch.randn(n, heads, dim, generator=rng) * 8).to(dtype)
         got, want = numerics.dots(q, k), torch.einsum("bhd,btd->bht", q, k)
         assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
+
+
+def test_index_scores_by_chunks_equal_one_pass_over_every_key(rng):
+    """Index scores computed INDEX_CHUNK keys at a time equal the formula over all keys at once
+    (unpack, einsum, ReLU, weighted sum over heads), for a whole key range and for a pool of ids,
+    with key scales far apart so that another summation order would show."""
+    from dsv41.kernels import torch_ops
+    from dsv41.kernels.layouts import index_k_format, pack_rows, unpack_rows
+
+    fmt, n = index_k_format(128), 2 * torch_ops.INDEX_CHUNK + 1234
+    spread = torch.exp2(torch.randint(-30, 30, (2, n, 4, 1), generator=rng).float()).expand(2, n, 4, 32)
+    keys = pack_rows(torch.randn(2, n, 128, generator=rng) * spread.flatten(-2), fmt)
+    q = pack_rows(torch.randn(2, 8, 128, generator=rng) * 4, fmt)
+    q = unpack_rows(q, fmt)
+    weights = torch.randn(2, 8, generator=rng).bfloat16()
+
+    def one_pass(rows: torch.Tensor) -> torch.Tensor:
+        dots = torch.einsum("bhd,btd->bht", q, unpack_rows(rows, fmt))
+        return (dots.relu() * weights.unsqueeze(-1)).sum(dim=1)
+
+    assert torch.equal(_bits(torch_ops.index_scores(q, weights, keys)), _bits(one_pass(keys)))
+    ids = torch.randint(-1, n, (2, torch_ops.INDEX_CHUNK + 77), generator=rng)
+    want = one_pass(keys[torch.arange(2).unsqueeze(-1), ids.clamp(min=0)])
+    assert torch.equal(_bits(torch_ops.index_scores(q, weights, keys, ids)), _bits(want))
+
+
+def test_gather_rows_equals_indexing_by_batch_and_id(rng):
+    """gather_rows (one index_select) picks what rows[batch, id] picks, -1 reading row 0, for
+    per-sequence rows and for a page pool [1, n, ...] shared by the batch; mismatched batches fail."""
+    from dsv41.kernels.torch_ops import gather_rows
+
+    rows = torch.randint(0, 256, (3, 50, 68), generator=rng, dtype=torch.uint8)
+    ids = torch.randint(-1, 50, (3, 17), generator=rng)
+    want = rows[torch.arange(3).unsqueeze(-1), ids.clamp(min=0)]
+    assert torch.equal(gather_rows(rows, ids), want)
+    pool = rows[:1]
+    assert torch.equal(gather_rows(pool, ids), pool[0][ids.clamp(min=0)])
+    with pytest.raises(ValueError, match="cannot serve"):
+        gather_rows(rows[:2], ids)
