@@ -111,3 +111,19 @@ def test_gather_rows_equals_indexing_by_batch_and_id(rng):
     assert torch.equal(gather_rows(pool, ids), pool[0][ids.clamp(min=0)])
     with pytest.raises(ValueError, match="cannot serve"):
         gather_rows(rows[:2], ids)
+
+
+def test_sparse_attention_by_query_blocks_equals_each_query_alone(rng):
+    """sparse_attention runs QUERY_BLOCK queries per pass and gathers keys by index_select; every
+    query's output must be the bits of that query computed alone (its own indices, -1 slots too)."""
+    from dsv41.kernels import torch_ops
+
+    b, m, h, d, n = 2, 2 * torch_ops.QUERY_BLOCK + 5, 4, 64, 300
+    q = (torch.randn(b, m, h, d, generator=rng) * 3).bfloat16()
+    kv = torch.randn(b, n, d, generator=rng).bfloat16()
+    idx = torch.randint(-1, n, (b, m, 150), generator=rng).int()
+    sink = torch.randn(h, generator=rng)
+    got = torch_ops.sparse_attention(q, kv, sink, idx, d**-0.5)
+    for j in range(m):
+        alone = torch_ops.sparse_attention(q[:, j : j + 1], kv, sink, idx[:, j : j + 1], d**-0.5)
+        assert torch.equal(_bits(got[:, j : j + 1]), _bits(alone))

@@ -14,6 +14,7 @@ __all__ = ["index_scores", "mhc_update", "pack_rows", "select_candidate_blocks",
            "sparse_attention_decode"]
 
 ATTENTION_CHUNK = 64  # indices per online-softmax step, as the reference kernel walks them
+QUERY_BLOCK = 16  # queries per pass of sparse_attention: 16 x 64 gathered fp32 keys of 512 channels are 2 MB
 INDEX_CHUNK = 4096  # index keys unpacked and scored per pass (1 MB of bf16 keys at 128 channels)
 
 
@@ -27,15 +28,18 @@ def sparse_attention(
     probabilities rounded to bf16 before P·V, as the reference kernel does. Output bf16.
     """
     b, m, h, d = q.shape
-    qf, kvf = q.float(), kv.float()
+    if m > QUERY_BLOCK:  # each query's result is its own: blocks of queries keep the gathered keys in cache
+        return torch.cat([sparse_attention(q[:, s : s + QUERY_BLOCK], kv, sink, idx[:, s : s + QUERY_BLOCK], scale)
+                          for s in range(0, m, QUERY_BLOCK)], dim=1)
+    qf = q.float()
     out = torch.zeros(b, m, h, d, dtype=torch.float32)
     denom = torch.zeros(b, m, h, dtype=torch.float32)
     running_max = torch.full((b, m, h), -1e30, dtype=torch.float32)
-    batch = torch.arange(b).view(b, 1, 1)
     for start in range(0, idx.size(-1), ATTENTION_CHUNK):
-        chunk = idx[:, :, start : start + ATTENTION_CHUNK].long()
+        chunk = idx[:, :, start : start + ATTENTION_CHUNK]
         valid = chunk != -1
-        keys = kvf[batch, chunk.clamp(min=0)]  # unused slots read row 0: finite, and weighted by p = 0
+        # unused slots read row 0: finite, and weighted by p = 0
+        keys = gather_rows(kv, chunk.flatten(1)).view(*chunk.shape, d).float()
         logits = torch.where(valid.unsqueeze(2), numerics.einsum("bmhd,bmkd->bmhk", qf, keys), -torch.inf) * scale
         previous = running_max
         running_max = torch.maximum(previous, logits.amax(dim=-1))
