@@ -109,6 +109,7 @@ def test_gather_rows_equals_indexing_by_batch_and_id(rng):
     assert torch.equal(gather_rows(rows, ids), want)
     pool = rows[:1]
     assert torch.equal(gather_rows(pool, ids), pool[0][ids.clamp(min=0)])
+    assert torch.equal(gather_rows(pool.expand(3, -1, -1), ids), pool[0][ids.clamp(min=0)])
     with pytest.raises(ValueError, match="cannot serve"):
         gather_rows(rows[:2], ids)
 

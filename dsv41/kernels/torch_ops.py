@@ -88,10 +88,12 @@ def select_candidate_blocks(
 
 def gather_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """rows [b, n, ...] picked by ids [b, k] (-1 reads row 0; callers mask it) -> [b, k, ...]; rows
-    [1, n, ...] (a page pool) serve every sequence. One index_select over the flattened rows:
-    advanced indexing by (batch, id) pairs takes about 10x longer on the CPU."""
+    [1, n, ...] (a page pool), or expanded from it, serve every sequence. One index_select over the
+    flattened rows: advanced indexing by (batch, id) pairs takes about 10x longer on the CPU."""
     if rows.size(0) not in (1, ids.size(0)):
         raise ValueError(f"rows of {rows.size(0)} sequences cannot serve ids of {ids.size(0)}")
+    if rows.stride(0) == 0:  # one pool expanded over the batch: flattening would copy it per sequence
+        rows = rows[:1]
     picked = ids.long().clamp(min=0)
     if rows.size(0) > 1:
         picked = picked + torch.arange(ids.size(0), device=ids.device).unsqueeze(-1) * rows.size(1)
