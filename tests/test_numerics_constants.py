@@ -115,11 +115,13 @@ def test_gather_rows_equals_indexing_by_batch_and_id(rng):
 
 
 def test_sparse_attention_by_query_blocks_equals_each_query_alone(rng):
-    """sparse_attention runs QUERY_BLOCK queries per pass and gathers keys by index_select; every
-    query's output must be the bits of that query computed alone (its own indices, -1 slots too)."""
+    """sparse_attention runs query_block(d) queries per pass and gathers keys by index_select;
+    every query's output must be the bits of that query computed alone (its own indices, -1 slots
+    too)."""
     from dsv41.kernels import torch_ops
 
-    b, m, h, d, n = 2, 2 * torch_ops.QUERY_BLOCK + 5, 4, 64, 300
+    b, h, d, n = 2, 4, 64, 300
+    m = 2 * torch_ops.query_block(d) + 5
     q = (torch.randn(b, m, h, d, generator=rng) * 3).bfloat16()
     kv = torch.randn(b, n, d, generator=rng).bfloat16()
     idx = torch.randint(-1, n, (b, m, 150), generator=rng).int()

@@ -14,7 +14,7 @@ __all__ = ["index_scores", "mhc_update", "pack_rows", "select_candidate_blocks",
            "sparse_attention_decode"]
 
 ATTENTION_CHUNK = 64  # indices per online-softmax step, as the reference kernel walks them
-QUERY_BLOCK = 16  # queries per pass of sparse_attention: 16 x 64 gathered fp32 keys of 512 channels are 2 MB
+QUERY_BLOCK_BYTES = 2 << 20  # gathered fp32 keys per pass of sparse_attention (16 queries at 512 channels)
 INDEX_CHUNK = 4096  # index keys unpacked and scored per pass (1 MB of bf16 keys at 128 channels)
 
 
@@ -28,9 +28,10 @@ def sparse_attention(
     probabilities rounded to bf16 before P·V, as the reference kernel does. Output bf16.
     """
     b, m, h, d = q.shape
-    if m > QUERY_BLOCK:  # each query's result is its own: blocks of queries keep the gathered keys in cache
-        return torch.cat([sparse_attention(q[:, s : s + QUERY_BLOCK], kv, sink, idx[:, s : s + QUERY_BLOCK], scale)
-                          for s in range(0, m, QUERY_BLOCK)], dim=1)
+    block = query_block(d)
+    if m > block:  # each query's result is its own: blocks of queries keep the gathered keys in cache
+        return torch.cat([sparse_attention(q[:, s : s + block], kv, sink, idx[:, s : s + block], scale)
+                          for s in range(0, m, block)], dim=1)
     qf = q.float()
     out = torch.zeros(b, m, h, d, dtype=torch.float32)
     denom = torch.zeros(b, m, h, dtype=torch.float32)
@@ -50,6 +51,12 @@ def sparse_attention(
         out = out * rescale.unsqueeze(-1) + pv
     denom = denom + numerics.elementwise(torch.exp, sink.float() - running_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def query_block(dim: int) -> int:
+    """Queries per pass of sparse_attention: as many as keep one pass's gathered keys within
+    QUERY_BLOCK_BYTES (measured best: 16 at 512 channels on `mini`, 64-128 at 64 on `small`)."""
+    return max(1, QUERY_BLOCK_BYTES // (ATTENTION_CHUNK * dim * 4))
 
 
 def candidate_entries(
