@@ -88,3 +88,25 @@ def test_the_default_run_answers_in_the_tokenizers_words(tmp_path):
     assert all(c.isprintable() or c in "\n\t" for c in out["text"]), out["text"]
     pieces = [tokenizer.id_to_token(i) for i in out["ids"]]
     assert any(len(p) > 2 for p in pieces)  # whole words of the trained vocabulary, not single bytes
+
+
+def test_a_component_builds_the_checkpoints_model_without_drawing_random_weights(tmp_path, monkeypatch):
+    """ComponentContext.build_model of the default pipeline gives the model `load_model` gives,
+    tensor for tensor, and does not run the random initialisation first (start-up time)."""
+    from dsv41.components.context import ComponentContext
+    from dsv41.model import random_init
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("random weights drawn for a checkpoint's model")
+
+    monkeypatch.setattr(random_init, "init_random", refuse)
+    monkeypatch.setattr("dsv41.model.reference.init_random", refuse)
+    built = ComponentContext(load_pipeline("local"), {}, tmp_path).build_model()
+    want, got = load_model("small")[0].state_dict(), built.state_dict()
+
+    def raw(t: torch.Tensor) -> torch.Tensor:  # float8 tensors compare as their bytes
+        return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(raw(got[name]), raw(tensor)), name

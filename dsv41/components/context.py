@@ -83,12 +83,18 @@ class ComponentContext:
         return f"random:{spec.config}:{spec.seed}"
 
     def build_model(self) -> Transformer:
-        from dsv41.model.reference import random_model
-
+        """The checkpoint's model, else the config's with seeded random weights. A checkpoint's
+        model draws no random values first: loading writes every parameter or fails, so they
+        would only cost start-up time (about 0.7 s per component on the default model)."""
         spec = self.pipeline.model
-        model = random_model(self.config, spec.seed, self.tokenizer)
-        if self.checkpoint_dir is not None:
-            from dsv41.checkpoint import load_weights, weight_files
+        if self.checkpoint_dir is None:
+            from dsv41.model.reference import random_model
 
-            load_weights(model, weight_files(self.checkpoint_dir))
+            return random_model(self.config, spec.seed, self.tokenizer)
+        from dsv41.checkpoint import load_weights, weight_files
+        from dsv41.model.engram import token_map_from_tokenizer
+        from dsv41.model.transformer import build_model
+
+        model = build_model(self.config, token_map_from_tokenizer(self.tokenizer)[0])
+        load_weights(model, weight_files(self.checkpoint_dir))
         return model
