@@ -50,6 +50,11 @@ class SharedAttention:
     dense_index: bool = False
     index_targets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
+    @property
+    def split_sizes(self) -> list[int] | None:
+        """One sequence's forward: nothing to split (`SharedBatch.split_sizes`)."""
+        return None
+
 
 @dataclass
 class SharedBatch:

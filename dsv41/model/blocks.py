@@ -41,7 +41,7 @@ class Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hc, dim]; pre_mix is the previous sub-layer's pre. Returns (stream, ffn pre)."""
         # a batch with several tokens of one sequence predicts each sequence's mixes as it would alone
-        rows = shared.split_sizes if isinstance(shared, SharedBatch) else None
+        rows = shared.split_sizes
         attn_pre, attn_post, attn_comb = self.coefficients(x, "attn", rows)
         attn_out = self.attn(self.attn_norm(mhc.collapse(x, pre_mix)), table, shared)
         # one pass: residual update, the FFN's input collapse and its coefficient prediction

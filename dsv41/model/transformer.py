@@ -106,7 +106,7 @@ class Transformer(nn.Module):
         if layer.engram is not None:
             index = layer.engram.table_index
             looked = rows[index] if isinstance(rows, Mapping) else layer.engram.embed(rows[:, :, index])
-            x = layer.engram(x, looked, live, shared.split_sizes if isinstance(shared, SharedBatch) else None)
+            x = layer.engram(x, looked, live, shared.split_sizes)
             if shared.trace is not None:
                 shared.trace.put(spec.layer_id, "engram_out", x)
         if spec.dspark_target and targets is not None:
