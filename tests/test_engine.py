@@ -224,6 +224,25 @@ def test_one_step_batched_over_sequences_of_different_lengths_equals_separate_st
             assert torch.equal(ring.data, b.cache.windows[layer].data), layer
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_one_token_steps_batched_equal_each_alone_in_default_numerics(micro, rng, packed):
+    """The official numerics (not shape-stable): four sequences stepping one token each as one
+    batch get the logits each gets alone, bit for bit, over twenty greedy rounds. The fp32 GEMMs
+    (mHC mixes, router, head) run per sequence: a single row is summed in another order than
+    beside others on some CPUs (MKL on AVX2), which moved every logit in the last bits."""
+    core = InferenceCore(micro, chunk_size=16)
+    prompts = [_prompt(rng, n) for n in (9, 21, 30, 44)]
+    alone = [core.prefill(ids, "ced", capacity=80, packed=packed)[0] for ids in prompts]
+    batched = [core.prefill(ids, "ced", capacity=80, packed=packed)[0] for ids in prompts]
+    tokens = _prompt(rng, len(prompts))
+    for round_ in range(20):
+        expected = [core.step(seq, [token]) for seq, token in zip(alone, tokens, strict=True)]
+        got = core.step_batch(batched, [[token] for token in tokens])
+        for i, (e, g) in enumerate(zip(expected, got, strict=True)):
+            assert torch.equal(e, g), f"round {round_}, sequence {i}: max diff {(e - g).abs().max()}"
+        tokens = [int(e[-1].argmax()) for e in expected]
+
+
 def test_batched_decode_entries_and_selection_equal_the_per_sequence_path(rng, monkeypatch):
     """A batch writes its new global entries for all sequences at once (`Attention._emit_batch_entries`,
     one token each or several), and one decode token per sequence selects its index entries for

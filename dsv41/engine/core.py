@@ -497,7 +497,7 @@ class InferenceCore:
             seq.counters.decoder_layer_tokens += size * len(self.decoder)
             seq.cache.length = start + size
             seq.count_pages()
-        logits = self.model.finish(x, pre_mix)[1][0]
+        logits = self.model.finish(x, pre_mix, shared.split_sizes)[1][0]
         return list(logits.split(sizes)), list(torch.cat(targets, dim=-1)[0].split(sizes))
 
     @staticmethod

@@ -110,10 +110,7 @@ def predict(
     flat = x.flatten(2).float()
     mean_square = numerics.mean(numerics.wide(flat).square(), -1).float()
     rsqrt = numerics.elementwise(torch.rsqrt, mean_square + numerics.scalar(norm_eps))
-    if rows is None:
-        mixes = numerics.linear(flat, fn)
-    else:
-        mixes = torch.cat([numerics.linear(part, fn) for part in flat.split(rows, dim=1)], dim=1)
+    mixes = numerics.linear(flat, fn, rows)
     return sinkhorn_split(mixes * rsqrt, scale, base, hc, iters, hc_eps, rows)
 
 

@@ -74,8 +74,11 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t.double() if _stable else t
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T."""
+def linear(x: torch.Tensor, w: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+    """x @ w.T. `rows`: the token counts of a batch's sequences along x's second-to-last axis,
+    each multiplied as alone (a GEMM's sums for one row change with the rows beside it)."""
+    if rows is not None:
+        return torch.cat([linear(part, w) for part in x.split(rows, dim=-2)], dim=-2)
     if not _stable:
         return F.linear(x, w)
     return _contract_last(x.double().unsqueeze(-2) * w.double(), torch.promote_types(x.dtype, w.dtype))

@@ -117,10 +117,12 @@ class Transformer(nn.Module):
             n_positions = shared.start + x.size(1) if shared.cache is None else shared.cache.capacity
         return layer(x, pre_mix, table_for(t, spec.rope, n_positions), shared, image_mask)
 
-    def finish(self, x: torch.Tensor, pre_mix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Collapse with the last pre-mix, final norm, head: (hidden, fp32 logits)."""
+    def finish(self, x: torch.Tensor, pre_mix: torch.Tensor,
+               rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Collapse with the last pre-mix, final norm, head: (hidden, fp32 logits). `rows`: a batch's
+        sequences along the tokens, whose logits are then computed as alone."""
         hidden = self.norm(mhc.collapse(x, pre_mix))
-        return hidden, numerics.linear(hidden.float(), self.head.weight)
+        return hidden, numerics.linear(hidden.float(), self.head.weight, rows)
 
     def check_span(self, start: int, s: int, cache: DecodeCache | None) -> None:
         if s == 0:
