@@ -272,3 +272,58 @@ def test_decoder_replays_wait_for_the_inbox_and_a_release_answers_a_waiting_one(
     (answer, frames), = answers[9104]
     _, want = core.prefill(prompts[9101], "ced", capacity=len(prompts[9101]) + 8, packed=True)
     assert torch.equal(m.tensor(answer.logits, frames)[-1], want)
+
+
+def test_decoding_requests_alternate_in_two_batches_in_flight_and_a_cancel_between_leaves_the_rest(root):
+    """Four requests decoding at once are stepped as two batches in flight (dspark's counters show
+    steps acted on while another was out); one cancelled after a few tokens ends with CANCELLED and
+    frees its state, and the other three get the tokens they get alone (greedy)."""
+    supervisor = start(root, "two-flights")
+    prompts = [ids(n, 60 + n) for n in (19, 33, 26, 41)]
+    try:
+        peers = [supervisor.peer() for _ in prompts]
+        requests = [m.Generate(request_id=9300 + i, ids=m.pack_ids(p), max_new_tokens=40, stop_at_eos=False)
+                    for i, p in enumerate(prompts)]
+        for peer, request in zip(peers, requests, strict=True):
+            peer.send(request)
+        together, cancelled = {}, requests[1].request_id
+        for peer, request in sorted(zip(peers, requests, strict=True), key=lambda p: p[1].request_id != cancelled):
+            tokens = []
+            while not isinstance((event := peer.receive(request.request_id)[0]), m.Finished):
+                tokens.append(event.token)
+                if request.request_id == cancelled and len(tokens) == 3:
+                    peer.send(m.Release(request_id=cancelled))
+            together[request.request_id] = (tokens, event.reason)
+            if request.request_id == cancelled:
+                assert isinstance(peer.receive(cancelled)[0], m.Ack)
+            peer.close()
+        tokens, reason = together.pop(cancelled)
+        assert reason == m.FinishReason.CANCELLED and 3 <= len(tokens) < 40
+        counters = assert_idle(supervisor)
+        assert counters["steps_overlapped"] > 0 and counters["cancelled"] == 1, counters
+        for i, prompt in enumerate(prompts):
+            if 9300 + i in together:
+                assert together[9300 + i] == (tokens_of(supervisor, prompt, 40), m.FinishReason.LENGTH), i
+    finally:
+        supervisor.stop()
+
+
+def test_one_step_in_flight_puts_every_decoding_request_in_one_batch(root):
+    supervisor = start(root, "one-flight", scheduling={"steps_in_flight": 1})
+    prompts = [ids(n, 80 + n) for n in (12, 30, 22)]
+    try:
+        peers = [supervisor.peer() for _ in prompts]
+        for i, (peer, prompt) in enumerate(zip(peers, prompts, strict=True)):
+            peer.send(m.Generate(request_id=9400 + i, ids=m.pack_ids(prompt), max_new_tokens=12, stop_at_eos=False))
+        for i, peer in enumerate(peers):
+            while not isinstance(peer.receive(9400 + i)[0], m.Finished):
+                pass
+            peer.close()
+        counters = assert_idle(supervisor)
+        encoder = supervisor.peer("encoder")
+        stepped = encoder.ping().counters
+        encoder.close()
+        assert counters["steps_overlapped"] == 0, counters
+        assert stepped["step_tokens"] == 3 * 11 and stepped["batches"] < stepped["step_tokens"], stepped
+    finally:
+        supervisor.stop()

@@ -110,11 +110,12 @@ def test_epd_over_tcp_with_curve_keys(prompts, expected, root):
         assert through_pipeline(supervisor, prompts[:1]) == expected[:1]
 
 
-def test_requests_in_flight_together_are_stepped_as_one_batch(prompts, root):
+def test_requests_in_flight_together_are_stepped_in_batches(prompts, root):
+    """Four requests at once: their steps go out as batches of several (two batches in flight)."""
     with Supervisor(pipeline_for("process", root), root / "run") as supervisor:
-        clients = [supervisor.peer(), supervisor.peer()]
+        clients = [supervisor.peer() for _ in range(4)]
         requests = [m.Generate(request_id=1000 + i, ids=m.pack_ids(ids), max_new_tokens=30, stop_at_eos=False)
-                    for i, ids in enumerate(prompts[:2])]
+                    for i, ids in enumerate(prompts + prompts[:1])]
         for client, request in zip(clients, requests, strict=True):
             client.send(request)
         for client, request in zip(clients, requests, strict=True):
@@ -126,4 +127,4 @@ def test_requests_in_flight_together_are_stepped_as_one_batch(prompts, root):
         encoder = supervisor.peer("encoder")
         counters = encoder.ping().counters
         encoder.close()
-    assert counters["step_tokens"] == 2 * 29 and counters["batches"] < counters["step_tokens"]
+    assert counters["step_tokens"] == 4 * 29 and counters["batches"] < counters["step_tokens"]

@@ -1,7 +1,9 @@
 """dspark: owns each request's decode loop and streams tokens to the client.
 
-Each round steps every request in flight as one batch. Without a drafter (or with the `mode`
-option off) a step decodes one token per request (greedy, temperature, top-p). With the model's
+The requests decoding are stepped in batches, split over `scheduling.steps_in_flight` batches out
+at once (default 2) so that the encoder computes one batch's half of a step while the decoder computes the other's.
+Without a drafter (or with the `mode` option off) a step decodes one token per request (greedy,
+temperature, top-p). With the model's
 DSpark drafter, this process holds the drafter (and the backbone's embedding and head it shares):
 each round it drafts a block per request, the scheduler picks how many drafts each request
 verifies, the encoder and decoder verify them in one multi-token batched step (keeping a checkpoint),
@@ -15,7 +17,7 @@ released; other requests go on.
 
 Continuous batching: a new request waits in a bounded first-come-first-served queue; each round the
 scheduler sends the prefills of the requests at its head (at most `scheduling.max_running` requests
-prefill or decode at once) and one batched step of every request already decoding. Prefills are
+prefill or decode at once) and a batched step of the requests already decoding. Prefills are
 not waited for: the encoder runs one chunk of `generation.chunk_size` prompt tokens per turn of its
 loop and serves the batched steps between chunks, and a prefill's reply is taken whenever it comes,
 so the request joins the batch at the next step. A prefill that finds the KV page pools full
@@ -68,6 +70,20 @@ class Plan:
 
 
 @dataclass
+class Flight:
+    """A batched step sent to the encoder whose reply is still to come."""
+
+    batch: list[Request]
+    emitted_before: int  # tokens its requests had generated when it was planned
+    batch_id: int = field(default_factory=new_request_id)
+    plans: dict[int, Plan] = field(default_factory=dict)
+    speculate: bool = False
+    tokens: int = 0  # tokens stepped (the last one plus the drafts of each request)
+    started: float = field(default_factory=time.perf_counter)  # before drafting
+    sent: float = 0.0
+
+
+@dataclass
 class Request:
     client_id: int
     internal_id: int
@@ -114,13 +130,15 @@ class DSparkComponent(Component):
         self.engram = context.peer("engram") if self.prefetch else None
         scheduling = context.pipeline.scheduling
         self.max_running, self.max_waiting = scheduling.max_running, scheduling.max_waiting
+        self.steps_in_flight = scheduling.steps_in_flight
         self.timeout_s = context.pipeline.generation.request_timeout_s
         self.waiting: deque[Request] = deque()  # not yet sent, first come first served
         self.prefilling: dict[int, Request] = {}  # by internal id: prefill sent, reply not yet taken
         self.active: deque[Request] = deque()  # decoding
         self.clients: dict[int, Request] = {}  # every live request by client id
         self.blocked = False  # a prefill found no KV pages: admit nothing until a request ends
-        self.stepping: list[Request] = []  # the batch being stepped (out of `active` meanwhile)
+        self.flights: deque[Flight] = deque()  # batched steps sent, oldest first (their requests are out of `active`)
+        self.arrived: dict[int, tuple[m.Message, list[memoryview]]] = {}  # replies of later flights, come early
         self.config = config
         self.drafter, self.mode, self.length = _speculation(context)
         self.cost = StepCost()  # seconds of a step by tokens verified, for the `auto` scheduler
@@ -200,7 +218,7 @@ class DSparkComponent(Component):
         (unless nothing else holds pages: then it can never fit, and fails)."""
         if isinstance(answer, m.Error):
             error = ComponentError(answer.code, answer.component, answer.text)
-            if answer.code == m.ErrorCode.CAPACITY and (self.active or self.prefilling or self.stepping):
+            if answer.code == m.ErrorCode.CAPACITY and (self.active or self.prefilling or self.flights):
                 self.waiting.appendleft(request)
                 self.blocked = True
                 self.counters["capacity_waits"] += 1
@@ -223,6 +241,9 @@ class DSparkComponent(Component):
         self._observe(request, hidden)
 
     def _on_reply(self, message: m.Message, frames: list[memoryview]) -> None:
+        if any(f.batch_id == message.request_id for f in self.flights):
+            self.arrived[message.request_id] = (message, frames)
+            return
         request = self.prefilling.pop(message.request_id, None)
         if request is not None:  # anything else: the Ack of a Release, a cancelled request's prefill
             self._prefilled(request, message, frames)
@@ -295,50 +316,81 @@ class DSparkComponent(Component):
         return True
 
     def tick(self) -> bool:
-        """Admit what fits, take prefill replies, and one batched step of every request decoding."""
+        """Admit what fits, take prefill replies, send batched steps of the requests decoding (up to
+        `scheduling.steps_in_flight` batches at once) and act on the oldest one's reply."""
         if not self.profiled:
             self._profile()
         self._admit()
-        busy = bool(self.active or self.prefilling)
+        busy = bool(self.active or self.prefilling or self.flights)
         try:
-            if self.active:
-                self._step()
+            while self.active and len(self.flights) < self.steps_in_flight:
+                self._send_step()
+            if self.flights:
+                self._land()
             elif self.prefilling:
                 self._collect(0.05)
         except ComponentError:
             pass  # the requests concerned have failed; the next round starts afresh
         self._expire()
-        gauges = {"running": len(self.active) + len(self.prefilling), "waiting": len(self.waiting),
-                  "prefilling": len(self.prefilling), "decoding": len(self.active)}
+        decoding = len(self.active) + sum(len(f.batch) for f in self.flights)
+        gauges = {"running": decoding + len(self.prefilling), "waiting": len(self.waiting),
+                  "prefilling": len(self.prefilling), "decoding": decoding}
         for key, value in gauges.items():  # set, not added (Counter.update adds)
             self.counters[key] = value
         return busy
 
-    def _step(self) -> None:
-        """One batched step of the requests decoding (up to MAX_BATCH of them): one token each, or
-        with the drafter each request's drafts verified (`auto` may step plainly for a round when
-        that has emitted more tokens per second). A request whose step found no free KV page
-        tries again next round while others progress (they free pages as they end); when none
-        progressed, the newest of them fails with CAPACITY."""
-        batch = [self.active.popleft() for _ in range(min(len(self.active), m.MAX_BATCH))]
-        emitted_before = sum(len(r.generated) for r in batch)
-        plans = {}
-        self.stepping = batch
-        speculate = self.drafter is not None and (self.mode != "auto" or self.rounds.speculate(len(batch)))
-        started = time.perf_counter()
+    def _next_batch(self) -> list[Request]:
+        """The requests of the next step: up to MAX_BATCH, and no more than their share when the
+        requests decoding are split over `steps_in_flight` batches (those in flight count)."""
+        flying = sum(len(f.batch) for f in self.flights)
+        share = -(-(len(self.active) + flying) // self.steps_in_flight)
+        return [self.active.popleft() for _ in range(min(len(self.active), m.MAX_BATCH, share))]
+
+    def _send_step(self) -> None:
+        """Send one batched step: one token per request, or with the drafter each request's drafts
+        to verify (`auto` may step plainly for a round when that has emitted more tokens per second).
+        Its reply is acted on in `_land`."""
+        batch = self._next_batch()
+        flight = Flight(batch, emitted_before=sum(len(r.generated) for r in batch))
+        flight.speculate = self.drafter is not None and (self.mode != "auto" or self.rounds.speculate(len(batch)))
         try:
-            if speculate:
-                plans = self._plan(batch)
-            items = [self._step_item(request, plans.get(request.internal_id)) for request in batch]
-            stepped = time.perf_counter()
-            answer, frames = self._batch(items)
-            self._step_time(sum(len(m.unpack_ids(item.ids)) for item in items), time.perf_counter() - stepped)
+            if flight.speculate:
+                flight.plans = self._plan(batch)
+            items = [self._step_item(request, flight.plans.get(request.internal_id)) for request in batch]
+            flight.tokens = sum(len(m.unpack_ids(item.ids)) for item in items)
+            flight.sent = time.perf_counter()
+            self.encoder.send(m.BatchStep(request_id=flight.batch_id, items=items))
         except (ComponentError, m.MessageError) as e:
             for request in batch:
                 self._fail(request, e)
             return
+        self.flights.append(flight)
+
+    def _reply_to(self, flight: Flight) -> tuple[m.BatchLogits, list[memoryview]]:
+        got = self.arrived.pop(flight.batch_id, None) or self._collect(self.timeout_s, until=flight.batch_id)
+        if isinstance(got[0], m.Error):
+            raise ComponentError(got[0].code, got[0].component, got[0].text)
+        return got
+
+    def _land(self) -> None:
+        """Act on the oldest step's reply: emit each request's tokens. A request whose step found no
+        free KV page tries again next round while others progress (they free pages as they end);
+        when none progressed, the newest of them fails with CAPACITY. A request cancelled or failed
+        while its step was in flight is left out."""
+        flight = self.flights[0]
+        try:
+            answer, frames = self._reply_to(flight)
+        except (ComponentError, m.MessageError) as e:
+            self.flights.popleft()
+            for request in flight.batch:
+                if self._live(request):
+                    self._fail(request, e)
+            return
         finally:
-            self.stepping = []
+            self.arrived.pop(flight.batch_id, None)
+        self.flights.popleft()
+        batch, plans = [r for r in flight.batch if self._live(r)], flight.plans
+        self._step_time(flight.tokens, time.perf_counter() - flight.sent)
         logits = dict(zip(answer.request_ids, m.tensor(answer.logits, frames).split(answer.sizes), strict=True))
         hidden = {}
         if self.drafter is not None and answer.main_hidden is not None:
@@ -347,7 +399,7 @@ class DSparkComponent(Component):
         errors = {e.request_id: ComponentError(e.code, e.component, e.text) for e in answer.errors}
         no_pages = [r for r in batch if r.internal_id not in logits and r.internal_id in errors
                     and errors[r.internal_id].code == m.ErrorCode.CAPACITY]
-        if no_pages and len(no_pages) == len(batch) and not self.prefilling:
+        if no_pages and len(no_pages) == len(batch) and not self.prefilling and not self.flights:
             newest = max(no_pages, key=lambda r: r.started)
             no_pages = [r for r in no_pages if r is not newest]
         for request in batch:
@@ -367,10 +419,15 @@ class DSparkComponent(Component):
                     self._emit(request, logits[rid][-1])
             except (ComponentError, m.MessageError) as e:
                 self._fail(request, e)
-        if self.drafter is not None:
-            emitted = sum(len(r.generated) for r in batch) - emitted_before
-            self.rounds.observe(len(batch), speculate, emitted, time.perf_counter() - started)
-            self.counters["spec_plain_rounds"] += not speculate
+        if self.drafter is not None and len(batch) == len(flight.batch):  # (a cancelled request's tokens are gone)
+            emitted = sum(len(r.generated) for r in batch) - flight.emitted_before
+            self.rounds.observe(len(flight.batch), flight.speculate, emitted, time.perf_counter() - flight.started)
+            self.counters["spec_plain_rounds"] += not flight.speculate
+        self.counters["steps_overlapped"] += bool(self.flights)
+
+    def _live(self, request: Request) -> bool:
+        """Not cancelled or failed (both forget the client)."""
+        return self.clients.get(request.client_id) is request
 
     def _batch(self, items: list[m.StepItem]) -> tuple[m.BatchLogits, list[memoryview]]:
         batch_id = new_request_id()

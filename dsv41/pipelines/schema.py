@@ -103,6 +103,9 @@ class SchedulingSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     max_waiting: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 256
     # seconds an HTTP client refused for capacity is told to wait (Retry-After)
     retry_after_s: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 1
+    # batched decode steps out at once, the decoding requests split over them: the encoder computes
+    # one batch's half of a step while the decoder computes another's
+    steps_in_flight: Annotated[int, msgspec.Meta(ge=1, le=8)] = 2
 
 
 class SupervisorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
