@@ -417,13 +417,15 @@ def test_dspark_schedules_decoding_and_fails_requests_alone(running):
     assert (e.value.code, e.value.component) == (m.ErrorCode.UNAVAILABLE, "decoder")
     events = list(peer.stream(m.Generate(request_id=8, prompt="ok", max_new_tokens=1)))
     assert events[-1].reason == m.FinishReason.LENGTH  # the failed request failed alone
-    two = [r.peer(), r.peer()]  # two requests in flight: their steps go to the encoder as one batch
-    for rid, client in enumerate(two, start=20):
+    batches.clear()
+    four = [r.peer() for _ in range(4)]  # four requests in flight: two batches of two out at once
+    for rid, client in enumerate(four, start=20):
         client.send(m.Generate(request_id=rid, prompt="ab", max_new_tokens=8))
-    for rid, client in enumerate(two, start=20):
+    for rid, client in enumerate(four, start=20):
         while not isinstance(client.receive(rid)[0], m.Finished):
             pass
     assert max(len(b.items) for b in batches) == 2
+    assert peer.ping().counters["steps_overlapped"] > 0
 
 
 def test_encoder_steps_a_batch_and_reports_the_requests_it_cannot_step(running, model, rng):

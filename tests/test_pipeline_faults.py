@@ -1,6 +1,6 @@
-"""Fault tests on the `local` pipeline: SIGKILL each component kind in the middle of a request.
+"""Fault tests on the `local` pipeline: SIGKILL each component kind in the middle of two requests.
 
-The request either fails with an error naming a component or completes (where the loss is safe:
+Each request either fails with an error naming a component or completes (where the loss is safe:
 a dead kvstore is a cache miss, a dead engram component makes the encoder look rows up itself).
 The supervisor restarts the component, the next request succeeds, and the store verifies clean.
 """
@@ -65,25 +65,31 @@ def test_sigkill_each_component_mid_request(rng):
     root = short_dir()
     try:
         pipeline = pipeline_for("process", root)
-        prompt = torch.randint(3, 300, (70,), generator=rng).tolist()
+        prompts = [torch.randint(3, 300, (n,), generator=rng).tolist() for n in (70, 45)]
+        prompt = prompts[0]
         with Supervisor(pipeline, root / "run") as supervisor:
             for name in COMPONENTS:
-                first_token, outcome = threading.Event(), {}
-                client = threading.Thread(target=_request, args=(supervisor, prompt, 150, first_token, outcome))
-                client.start()
-                assert first_token.wait(60)
+                # two requests: their steps are two batches in flight when the component dies
+                started = [(threading.Event(), {}) for _ in prompts]
+                clients = [threading.Thread(target=_request, args=(supervisor, ids, 150, first_token, outcome))
+                           for ids, (first_token, outcome) in zip(prompts, started, strict=True)]
+                for client in clients:
+                    client.start()
+                assert all(first_token.wait(60) for first_token, _ in started)
                 old_pid = supervisor.pids()[name]
                 os.kill(old_pid, signal.SIGKILL)
-                client.join(90)
-                assert not client.is_alive()
-                if "error" in outcome:
-                    error = outcome["error"]
-                    assert name not in SAFE_TO_LOSE, f"losing {name} failed the request: {error}"
-                    assert error.code in (m.ErrorCode.UNAVAILABLE, m.ErrorCode.UNKNOWN_REQUEST), error
-                    assert error.component in COMPONENTS, error
-                else:
-                    assert outcome["finished"].generated_tokens == 150
-                print(f"killed {name}: {outcome.get('error') or 'request completed'}")
+                for client in clients:
+                    client.join(90)
+                    assert not client.is_alive()
+                for _, outcome in started:
+                    if "error" in outcome:
+                        error = outcome["error"]
+                        assert name not in SAFE_TO_LOSE, f"losing {name} failed the request: {error}"
+                        assert error.code in (m.ErrorCode.UNAVAILABLE, m.ErrorCode.UNKNOWN_REQUEST), error
+                        assert error.component in COMPONENTS, error
+                    else:
+                        assert outcome["finished"].generated_tokens == 150
+                    print(f"killed {name}: {outcome.get('error') or 'request completed'}")
                 _wait_restarted(supervisor, name, old_pid)
                 after = list(generate(supervisor.peer(), ids=prompt[:30], max_new_tokens=3, stop_at_eos=False))
                 assert after[-1].generated_tokens == 3, f"after restarting {name}"

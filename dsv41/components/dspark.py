@@ -257,10 +257,12 @@ class DSparkComponent(Component):
         while True:
             try:
                 got = self.encoder.receive_any(min(wait, 1.0))
-            except ComponentError as e:  # the encoder is gone: every prefill in it is lost
+            except ComponentError as e:  # the encoder is gone: every prefill and step in it is lost
                 for request in list(self.prefilling.values()):
                     self._fail(request, e, release=False)
                 self.prefilling.clear()
+                while self.flights:
+                    self._fail_flight(self.flights.popleft(), e)
                 raise
             left = deadline - time.monotonic()
             if got is None:
@@ -381,10 +383,8 @@ class DSparkComponent(Component):
         try:
             answer, frames = self._reply_to(flight)
         except (ComponentError, m.MessageError) as e:
-            self.flights.popleft()
-            for request in flight.batch:
-                if self._live(request):
-                    self._fail(request, e)
+            if self.flights and self.flights[0] is flight:  # (a lost encoder has failed every flight)
+                self._fail_flight(self.flights.popleft(), e)
             return
         finally:
             self.arrived.pop(flight.batch_id, None)
@@ -424,6 +424,11 @@ class DSparkComponent(Component):
             self.rounds.observe(len(flight.batch), flight.speculate, emitted, time.perf_counter() - flight.started)
             self.counters["spec_plain_rounds"] += not flight.speculate
         self.counters["steps_overlapped"] += bool(self.flights)
+
+    def _fail_flight(self, flight: Flight, error: Exception) -> None:
+        for request in flight.batch:
+            if self._live(request):
+                self._fail(request, error)
 
     def _live(self, request: Request) -> bool:
         """Not cancelled or failed (both forget the client)."""
