@@ -282,7 +282,7 @@ def test_decoding_requests_alternate_in_two_batches_in_flight_and_a_cancel_betwe
     prompts = [ids(n, 60 + n) for n in (19, 33, 26, 41)]
     try:
         peers = [supervisor.peer() for _ in prompts]
-        requests = [m.Generate(request_id=9300 + i, ids=m.pack_ids(p), max_new_tokens=40, stop_at_eos=False)
+        requests = [m.Generate(request_id=9300 + i, ids=m.pack_ids(p), max_new_tokens=24, stop_at_eos=False)
                     for i, p in enumerate(prompts)]
         for peer, request in zip(peers, requests, strict=True):
             peer.send(request)
@@ -298,12 +298,12 @@ def test_decoding_requests_alternate_in_two_batches_in_flight_and_a_cancel_betwe
                 assert isinstance(peer.receive(cancelled)[0], m.Ack)
             peer.close()
         tokens, reason = together.pop(cancelled)
-        assert reason == m.FinishReason.CANCELLED and 3 <= len(tokens) < 40
+        assert reason == m.FinishReason.CANCELLED and 3 <= len(tokens) < 24
         counters = assert_idle(supervisor)
         assert counters["steps_overlapped"] > 0 and counters["cancelled"] == 1, counters
         for i, prompt in enumerate(prompts):
             if 9300 + i in together:
-                assert together[9300 + i] == (tokens_of(supervisor, prompt, 40), m.FinishReason.LENGTH), i
+                assert together[9300 + i] == (tokens_of(supervisor, prompt, 24), m.FinishReason.LENGTH), i
     finally:
         supervisor.stop()
 
