@@ -45,6 +45,17 @@ def tokens_of(supervisor: Supervisor, prompt: list[int], n: int) -> list[int]:
         peer.close()
 
 
+def send_all(supervisor: Supervisor, prompts: list[list[int]], first_id: int, n: int) -> list[tuple]:
+    """Send one greedy request per prompt at once, each on its own client: (peer, request) pairs."""
+    sent = []
+    for i, prompt in enumerate(prompts):
+        peer, request = supervisor.peer(), m.Generate(request_id=first_id + i, ids=m.pack_ids(prompt),
+                                                      max_new_tokens=n, stop_at_eos=False)
+        peer.send(request)
+        sent.append((peer, request))
+    return sent
+
+
 def assert_idle(supervisor: Supervisor) -> dict[str, int]:
     """Wait until dspark runs and queues nothing and the encoder and decoder hold no sequence or page
     (releases are sent without waiting, and the gauges are refreshed between messages); dspark's counters."""
@@ -191,13 +202,8 @@ def test_prompts_prefilled_together_run_their_chunks_as_batches_and_equal_each_a
     supervisor = start(root, "prefill-batches")
     prompts = [ids(n, 20 + n) for n in (37, 50, 21, 64)]
     try:
-        peers = [supervisor.peer() for _ in prompts]
-        requests = [m.Generate(request_id=9000 + i, ids=m.pack_ids(p), max_new_tokens=6, stop_at_eos=False)
-                    for i, p in enumerate(prompts)]
-        for peer, request in zip(peers, requests, strict=True):
-            peer.send(request)
         together = {}
-        for peer, request in zip(peers, requests, strict=True):
+        for peer, request in send_all(supervisor, prompts, 9000, 6):
             tokens = []
             while not isinstance((event := peer.receive(request.request_id)[0]), m.Finished):
                 tokens.append(event.token)
@@ -281,13 +287,8 @@ def test_decoding_requests_alternate_in_two_batches_in_flight_and_a_cancel_betwe
     supervisor = start(root, "two-flights")
     prompts = [ids(n, 60 + n) for n in (19, 33, 26, 41)]
     try:
-        peers = [supervisor.peer() for _ in prompts]
-        requests = [m.Generate(request_id=9300 + i, ids=m.pack_ids(p), max_new_tokens=24, stop_at_eos=False)
-                    for i, p in enumerate(prompts)]
-        for peer, request in zip(peers, requests, strict=True):
-            peer.send(request)
-        together, cancelled = {}, requests[1].request_id
-        for peer, request in sorted(zip(peers, requests, strict=True), key=lambda p: p[1].request_id != cancelled):
+        sent, together, cancelled = send_all(supervisor, prompts, 9300, 24), {}, 9301
+        for peer, request in sorted(sent, key=lambda pair: pair[1].request_id != cancelled):  # the cancelled first
             tokens = []
             while not isinstance((event := peer.receive(request.request_id)[0]), m.Finished):
                 tokens.append(event.token)
@@ -312,11 +313,8 @@ def test_one_step_in_flight_puts_every_decoding_request_in_one_batch(root):
     supervisor = start(root, "one-flight", scheduling={"steps_in_flight": 1})
     prompts = [ids(n, 80 + n) for n in (12, 30, 22)]
     try:
-        peers = [supervisor.peer() for _ in prompts]
-        for i, (peer, prompt) in enumerate(zip(peers, prompts, strict=True)):
-            peer.send(m.Generate(request_id=9400 + i, ids=m.pack_ids(prompt), max_new_tokens=12, stop_at_eos=False))
-        for i, peer in enumerate(peers):
-            while not isinstance(peer.receive(9400 + i)[0], m.Finished):
+        for peer, request in send_all(supervisor, prompts, 9400, 12):
+            while not isinstance(peer.receive(request.request_id)[0], m.Finished):
                 pass
             peer.close()
         counters = assert_idle(supervisor)

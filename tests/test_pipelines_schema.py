@@ -116,6 +116,7 @@ def test_wrong_type_names_the_expected_type_and_the_value(tmp_path):
     ("generation: {prefill_mode: fast}", "generation.prefill_mode",
      "expected one of 'ced', 'exact', 'full' (value 'fast')"),
     ("supervisor: {max_restarts: -1}", "supervisor.max_restarts", "expected `int` >= 0 (value -1)"),
+    ("scheduling: {steps_in_flight: 0}", "scheduling.steps_in_flight", "expected `int` >= 1 (value 0)"),
 ])
 def test_out_of_range_and_invalid_values_are_reported(tmp_path, section, key, message):
     (found,) = problems(tmp_path, VALID + section + "\n")

@@ -1,19 +1,18 @@
 """dspark: owns each request's decode loop and streams tokens to the client.
 
-The requests decoding are stepped in batches, split over `scheduling.steps_in_flight` batches out
-at once (default 2) so that the encoder computes one batch's half of a step while the decoder computes the other's.
-Without a drafter (or with the `mode` option off) a step decodes one token per request (greedy,
-temperature, top-p). With the model's
-DSpark drafter, this process holds the drafter (and the backbone's embedding and head it shares):
-each round it drafts a block per request, the scheduler picks how many drafts each request
-verifies, the encoder and decoder verify them in one multi-token batched step (keeping a checkpoint),
-and the accepted prefix plus the target's next token are emitted (temperature 0: drafts equal to
-the argmax; above: the speculative-sampling rule). A request with rejected drafts starts its next
-step at the position after its accepted ones: the encoder and decoder then cut the verification
-step in place to those positions (nothing runs again); the drafter's rings take the backbone
-states of accepted positions only. A request that
-fails anywhere gets one `Error` naming the component and the problem; its state elsewhere is
-released; other requests go on.
+The requests decoding are stepped in batches, split over `scheduling.steps_in_flight` batches out at
+once (default 2), so that the encoder computes one batch's half of a step while the decoder computes
+the other's. Without a drafter (or with the `mode` option off) a step decodes one token per request
+(greedy, temperature, top-p). With the model's DSpark drafter, this process holds the drafter (and
+the backbone's embedding and head it shares): each round it drafts a block per request, the
+scheduler picks how many drafts each request verifies, the encoder and decoder verify them in one
+multi-token batched step (keeping a checkpoint), and the accepted prefix plus the target's next
+token are emitted (temperature 0: drafts equal to the argmax; above: the speculative-sampling rule).
+A request with rejected drafts starts its next step at the position after its accepted ones: the
+encoder and decoder then cut the verification step in place to those positions (nothing runs again);
+the drafter's rings take the backbone states of accepted positions only. A request that fails
+anywhere gets one `Error` naming the component and the problem; its state elsewhere is released;
+other requests go on.
 
 Continuous batching: a new request waits in a bounded first-come-first-served queue; each round the
 scheduler sends the prefills of the requests at its head (at most `scheduling.max_running` requests
@@ -369,6 +368,7 @@ class DSparkComponent(Component):
         self.flights.append(flight)
 
     def _reply_to(self, flight: Flight) -> tuple[m.BatchLogits, list[memoryview]]:
+        """The flight's reply (taken early while waiting for another's, or waited for now)."""
         got = self.arrived.pop(flight.batch_id, None) or self._collect(self.timeout_s, until=flight.batch_id)
         if isinstance(got[0], m.Error):
             raise ComponentError(got[0].code, got[0].component, got[0].text)
