@@ -63,10 +63,12 @@ def test_grouped_block_scaled_matmul_adds_each_groups_blocks_in_order_from_plus_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dots_equal_the_einsum_they_replace(rng, dtype):
     """`numerics.dots` (bmm on a transposed view) gives torch.einsum's bits for index-score shapes:
-    MXFP4-rounded bf16 queries and keys, scales far apart, key counts around the GEMM's blockings."""
+    MXFP4-rounded bf16 queries and keys, scales far apart, key counts around the GEMM's blockings and
+    between the powers of two they are padded to."""
     from dsv41.model.quant import mxfp4_qdq
 
-    for n, heads, keys, dim in [(1, 4, 1, 128), (1, 4, 257, 128), (2, 32, 1000, 128), (3, 1, 4099, 64)]:
+    shapes = [(1, 4, 1, 128), (1, 4, 118, 32), (1, 4, 257, 128), (2, 32, 1000, 128), (3, 1, 4099, 64)]
+    for n, heads, keys, dim in shapes:
         spread = torch.exp2(torch.randint(-30, 30, (n, keys, dim), generator=rng).float())
         k = mxfp4_qdq(torch.randn(n, keys, dim, generator=rng) * spread).to(dtype)
         q = mxfp4_qdq(torch.randn(n, heads, dim, generator=rng) * 8).to(dtype)

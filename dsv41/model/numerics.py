@@ -98,9 +98,18 @@ def dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [n, m, d] . b [n, t, d] over d -> [n, m, t]: einsum("nmd,ntd->nmt") with the same bits.
     Outside stable mode it calls bmm on b's transposed view: torch's einsum takes a path for bf16
     operands of this shape that is 10-20x slower on the CPU (64K index keys: 18 ms against 1 ms)
-    and gives the same result (tests/test_numerics_constants.py)."""
+    and gives the same result (tests/test_numerics_constants.py).
+
+    The bmm runs over t padded with zero keys to a power of two: oneDNN builds a matmul for every
+    new shape, and a decode step's key count grows by one a step, so unpadded every step paid for
+    building one (about 2 ms of a `small` component's step, most of it fresh pages). A column's
+    value does not depend on how many columns there are."""
     if not _stable:
-        return torch.bmm(a, b.transpose(1, 2))
+        t = b.size(1)
+        padded = max(64, 1 << (t - 1).bit_length())
+        if padded != t:
+            b = F.pad(b, (0, 0, 0, padded - t))
+        return torch.bmm(a, b.transpose(1, 2))[..., :t]
     return einsum("nmd,ntd->nmt", a, b)
 
 
