@@ -212,20 +212,24 @@ class Indexer(nn.Module):
         self.wk = Linear(t.head_dim, self.head_dim, Storage.BF16, device) if owns_keys else None
         self.k_norm = RMSNorm(self.head_dim, t.rms_norm_eps, device) if owns_keys else None
 
-    def keys(self, latent: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def keys(self, latent: torch.Tensor, table: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """Index keys (before MXFP4) from the pre-RoPE latent, rotated at each group's first position.
-        In training the input is cut from the graph: the indexer learns from its KL term alone."""
+        In training the input is cut from the graph: the indexer learns from its KL term alone.
+        `sizes`: the entries of each sequence of a batch along the latent's second axis (the bf16
+        projection then runs per sequence, as alone)."""
         if self.training:
             latent = latent.detach()
-        return rotate(self.k_norm(self.wk(latent)), table)
+        return rotate(self.k_norm(self.wk(latent, rows=sizes)), table)
 
-    def query(self, x: torch.Tensor, qr: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def query(self, x: torch.Tensor, qr: torch.Tensor, table: torch.Tensor,
+              sizes: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MXFP4 index queries [b, s, heads, d] and per-head weights [b, s, heads] (bf16); in
-        training the inputs are cut from the graph, as for the keys."""
+        training the inputs are cut from the graph, as for the keys. `sizes`: as for `keys`, the
+        tokens of each sequence of a batch along s."""
         if self.training:
             x, qr = x.detach(), qr.detach()
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        weights = self.weights_proj(x, rows=sizes) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         return mxfp4_qdq(rotate(q, table)), weights
 
     @staticmethod
@@ -284,7 +288,10 @@ class Attention(nn.Module):
         else:
             o = self._attend_one(x, qr, q, kv, table, shared)
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
-        o = numerics.einsum("bsgd,grd->bsgr", o, self.wo_a.weight.view(self.n_groups, self.o_rank, -1))
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)
+        # a batch's sequences each through their own bf16 GEMM: its sums can change with the row count
+        pieces = o.split(shared.split_sizes, dim=1) if shared.split_sizes else [o]
+        o = torch.cat([numerics.einsum("bsgd,grd->bsgr", piece, wo_a) for piece in pieces], dim=1)
         return self.wo_b(o.flatten(2))
 
     def _attend_one(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
@@ -305,7 +312,7 @@ class Attention(nn.Module):
         keys and index table come from its own state, then one attention call covers them all
         (the keys side by side, each table shifted to its keys and padded with unused slots). The
         index queries of every token are computed once."""
-        query = self.indexer.query(x, qr, rows) if self.indexer is not None else None
+        query = self.indexer.query(x, qr, rows, batch.split_sizes) if self.indexer is not None else None
         windows = self._extended_windows(kv, batch)
         emitted = self.spec.mode is Mode.FULL and self._emits_as_batch(batch.parts)
         if emitted:
@@ -459,7 +466,8 @@ class Attention(nn.Module):
             entry_idx = torch.empty(b, 0, dtype=torch.int32)
             main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
         else:
-            query = self.indexer.query(x, qr, table[starts]) if self.indexer is not None else None
+            each = [1] * b if b > 1 else None
+            query = self.indexer.query(x, qr, table[starts], each) if self.indexer is not None else None
             entry_idx = self._decode_entries(x, qr, table, parts, query)
             for i, part in enumerate(parts):
                 if part.trace is not None:
@@ -550,7 +558,8 @@ class Attention(nn.Module):
             return
         latent = torch.cat(latents, dim=1)
         rows = table[torch.tensor(entries) * ratio]  # an entry sits at its group's start
-        PagedEntries.write_each([group.index_k for group in groups], entries, self.indexer.keys(latent, rows)[0])
+        sizes = [piece.size(1) for piece in latents] if len(latents) > 1 else None
+        PagedEntries.write_each([group.index_k for group in groups], entries, self.indexer.keys(latent, rows, sizes)[0])
         PagedEntries.write_each([group.main_kv for group in groups], entries, rotate(latent, rows)[0])
 
     @staticmethod

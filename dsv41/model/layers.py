@@ -75,13 +75,16 @@ class Linear(nn.Module):
             self._scaled = (values, real.t().contiguous())
         return self._scaled[1]
 
-    def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None,
+                rows: list[int] | None = None) -> torch.Tensor:
         """y = x W^T; `quantized` is x already through `quantize_rows` (linears that share an input
         quantize it once). With DSV41_FAST_GEMM=1 (inference only) the quantized activations and
         the weight's cached real values go through one fp32 GEMM: the same exact products summed in
-        the GEMM's own order instead of block by block."""
+        the GEMM's own order instead of block by block. `rows`: a batch's token counts per sequence
+        along x's second-to-last axis; a bf16/fp32 weight's GEMM then runs per sequence, as alone
+        (`numerics.linear`); the block-scaled products of a quantized weight sum each row alone anyway."""
         if self.scale is None:
-            return numerics.linear(x, self.weight)
+            return numerics.linear(x, self.weight, rows)
         q, q_scale = quantized if quantized is not None else quantize_rows(x)
         if numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear"):
             y = torch.mm((q.unflatten(1, (-1, BLOCK)) * q_scale.unsqueeze(-1)).flatten(1), self.scaled())
