@@ -122,3 +122,23 @@ def test_an_unsendable_message_raises_and_registers_nothing(net: Net):
         flight.send(tokenize("x" * 2000), None, lambda outcome: None)
     assert len(flight) == 0
     assert texts([flight.call(tokenize("small"))]) == ["small"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_message_into_the_inbox_ends_a_wait_for_a_peers_replies(net: Net, transport):
+    """A component waiting on a peer's replies (the encoder on the decoder's) waits on its inbox
+    bell too: a request that comes in meanwhile ends the wait at once, not at its timeout, and the
+    rings are consumed."""
+    held, flight = served_flight(net, transport)
+    waiting = net.serve(net.endpoint(transport, "waiting"))
+    bell = waiting.component.inbox_bell
+    flight.send(tokenize("hold"), None, lambda outcome: None)
+    assert held.component.entered.wait(WAIT_MS / 1000)
+    assert flight.poll(0.0, bell) == 0 and bell.poll(0) == 0  # nothing rang yet
+    ring = Peer(waiting.server.endpoint, "echo")
+    net.peers.append(ring)
+    ring.send(tokenize("new request"))
+    started = time.monotonic()
+    assert flight.poll(WAIT_MS / 1000, bell) == 0  # woken by the bell: the held reply has not come
+    assert time.monotonic() - started < WAIT_MS / 2000 and len(flight) == 1
+    assert bell.poll(0) == 0

@@ -34,7 +34,7 @@ from dsv41.storage.blockfmt import BlockLayout
 
 LOOKUP_TIMEOUT_S = 5.0  # a lookup hashes the prompt and probes keys: slower means the store is in trouble
 STORE_TIMEOUT_S = 30.0  # block reads and writes move up to hundreds of MB
-DECODER_WAIT_S = 0.001  # an idle loop's wait for the decoder's replies before it looks at its inbox again
+DECODER_WAIT_S = 0.05  # an idle loop's wait for the decoder's replies; a message in the inbox ends it at once
 PREFILL_BATCH = 4  # prompt chunks of different prefills run as one batch (each at most generation.chunk_size)
 
 
@@ -484,9 +484,9 @@ class EncoderComponent(Component):
 
     def tick(self) -> bool:
         busy = self._advance()
-        # relay what the decoder has answered; with nothing else to do, wait a moment for it here
-        # (the loop would otherwise sleep on its inbox)
-        self.decoder.poll(0.0 if busy else DECODER_WAIT_S)
+        # relay what the decoder has answered; with nothing else to do, wait for it here until a
+        # reply or a new message comes (the loop would otherwise sleep on its inbox alone)
+        self.decoder.poll(0.0 if busy or self.inbox_size() else DECODER_WAIT_S, self.inbox_bell)
         busy = busy or len(self.decoder) > 0
         self.counters["prefills_in_progress"] = len(self.jobs)
         self.counters["idle_sequences_dropped"] += self.sequences.sweep()

@@ -14,6 +14,7 @@ UNAVAILABLE error at once instead of a wait that ZeroMQ would never end.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import os
@@ -140,6 +141,9 @@ class Component:
         self.counters: Counter[str] = Counter()
         # messages waiting in the runtime's inbox (set by the Server): work can wait for more of its kind
         self.inbox_size: Callable[[], int] = lambda: 0
+        # readable whenever a message has come into the inbox (set by the Server): a component that
+        # waits on a peer's replies waits on this too, so that a new request does not wait for them
+        self.inbox_bell: zmq.Socket | None = None
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         raise NotImplementedError
@@ -188,47 +192,62 @@ class Server:
             raise
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.bind(self._out_endpoint)
+        self._bell_endpoint = f"inproc://dsv41-bell-{id(self)}"
+        self._bell = self.ctx.socket(zmq.PULL)  # the compute thread's end; the I/O thread rings it
+        self._bell.setsockopt(zmq.LINGER, 0)
+        self._bell.bind(self._bell_endpoint)
+        self._ran = False
+        component.inbox_bell = self._bell
         self._started = time.monotonic()
         self._io = threading.Thread(target=self._io_loop, name=f"{component.name}-io", daemon=True)
         self._io.start()
 
     # --- I/O thread ------------------------------------------------------------------------------
     def _io_loop(self) -> None:
+        ring = self.ctx.socket(zmq.PUSH)
+        ring.setsockopt(zmq.LINGER, 0)
+        ring.setsockopt(zmq.SNDHWM, 1)  # one ring wakes the compute thread; more add nothing
+        ring.connect(self._bell_endpoint)
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
         while not self.stop_event.is_set():
             for sock, _ in poller.poll(100):
                 if sock is self._router:
-                    self._receive(self._router.recv_multipart(copy=False))
+                    if self._receive(self._router.recv_multipart(copy=False)):
+                        with contextlib.suppress(zmq.Again):  # a ring is already waiting to be heard
+                            ring.send(b"", zmq.NOBLOCK)
                 else:
                     self._forward(self._pull.recv_multipart(copy=False))
+        ring.close()
         self._router.close()
         self._pull.close()
 
-    def _receive(self, parts: list) -> None:
+    def _receive(self, parts: list) -> bool:
+        """Answer, deliver or queue one incoming message; True if it went into the inbox."""
         counters = self.component.counters
         if len(parts) < 2:
             counters["dropped_frames"] += 1
-            return
+            return False
         identity, body = parts[0], parts[1:]
         try:
             message, frames = m.decode(body, self.kinds, self.limits)
         except m.MessageError as e:
             counters["bad_messages"] += 1
             self._forward([identity, *m.encode(m.error_reply(0, e.code, self.component.name, str(e)))])
-            return
+            return False
         if isinstance(message, m.Ping):
             self._forward([identity, *m.encode(self._pong(message.request_id))])
-            return
+            return False
         if m.KIND_OF[type(message)] in self.component.early:
             try:
                 self.component.deliver(message, frames)
             except Exception:  # noqa: BLE001 - one bad delivery must not stop the I/O thread
                 counters["bad_deliveries"] += 1
-            return
+            return False
         counters["requests"] += 1
         self.inbox.put((identity, message, frames))
+        return True
 
     def _pong(self, request_id: int) -> m.Pong:
         counters = {k: int(v) for k, v in self.component.counters.items()}
@@ -244,6 +263,7 @@ class Server:
     # --- compute loop ----------------------------------------------------------------------------
     def run(self) -> None:
         """The compute loop, until `stop()`; closes the component on the way out."""
+        self._ran = True
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, LINGER_MS)
         push.connect(self._out_endpoint)
@@ -257,6 +277,7 @@ class Server:
                 self._dispatch(push, identity, message, frames)
         finally:
             push.close()
+            self._bell.close()
             self.component.close()
 
     def _dispatch(self, push: zmq.Socket, identity, message: m.Message, frames: list[memoryview]) -> None:
@@ -281,6 +302,8 @@ class Server:
 
     def join(self, timeout: float = 5.0) -> None:
         self._io.join(timeout)
+        if not self._ran:  # the compute loop closes its end of the bell; it never ran
+            self._bell.close()
         self._release()
 
     def _release(self) -> None:
@@ -290,6 +313,9 @@ class Server:
         if self._curve is not None:
             self._curve.stop()
             self._curve = None
+
+
+_MONITORS = itertools.count()  # each Peer's monitor endpoint
 
 
 class Peer:
@@ -302,8 +328,12 @@ class Peer:
         self.sock = make_socket(self.ctx, zmq.DEALER, endpoint, bind=False, keys_dir=keys_dir,
                                 max_bytes=limits.replies_of(name))
         self.sock.setsockopt(zmq.SNDTIMEO, 1000)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) \
+        # a name of its own: pyzmq's default (from the socket's fd) can still be bound by a closed
+        # peer's monitor, which libzmq takes down in the background, when a new peer reuses the fd
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED,
+                                                    f"inproc://dsv41-monitor-{os.getpid()}-{next(_MONITORS)}") \
             if not endpoint.startswith("inproc://") else None
+        self._pollers: dict[int, zmq.Poller] = {}
 
     def send(self, message: m.Message, frames: m.Frames | None = None) -> None:
         """Send without waiting for a reply. A message that cannot be encoded, or is over its kind's
@@ -345,15 +375,16 @@ class Peer:
         raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name,
                              f"no reply within {timeout_s or self.timeout_s:.1f} s")
 
-    def receive_any(self, timeout_s: float) -> tuple[m.Message, list[memoryview]] | None:
+    def receive_any(self, timeout_s: float,
+                    wake: zmq.Socket | None = None) -> tuple[m.Message, list[memoryview]] | None:
         """The next reply to any request (an `Error` is returned, not raised), or None when none
-        comes within timeout_s; raises ComponentError when the peer disconnects or sends garbage.
-        For a caller with several requests in flight on this peer (a scheduler's prefills and steps)."""
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        if self.monitor is not None:
-            poller.register(self.monitor, zmq.POLLIN)
-        ready = dict(poller.poll(max(0.0, timeout_s) * 1000))
+        comes within timeout_s or `wake` becomes readable first (its messages are consumed); raises
+        ComponentError when the peer disconnects or sends garbage. For a caller with several
+        requests in flight on this peer (a scheduler's prefills and steps)."""
+        ready = dict(self._poller(wake).poll(max(0.0, timeout_s) * 1000))
+        if wake is not None and wake in ready:
+            while wake.poll(0):
+                wake.recv()
         if self.monitor is not None and self.monitor in ready and self._drain_monitor():
             raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name, "disconnected while answering "
                                  "(the component died or restarted)")
@@ -363,6 +394,16 @@ class Peer:
             return m.decode(self.sock.recv_multipart(copy=False), limits=self.limits)
         except m.MessageError as e:
             raise ComponentError(e.code, self.name, f"sent an unreadable reply: {e}") from None
+
+    def _poller(self, wake: zmq.Socket | None) -> zmq.Poller:
+        """A poller of the reply socket, the disconnect monitor and `wake`, kept per wake socket."""
+        poller = self._pollers.get(id(wake))
+        if poller is None:
+            poller = self._pollers[id(wake)] = zmq.Poller()
+            for sock in (self.sock, self.monitor, wake):
+                if sock is not None:
+                    poller.register(sock, zmq.POLLIN)
+        return poller
 
     def _take(self, request_id: int):
         try:
