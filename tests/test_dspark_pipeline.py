@@ -309,3 +309,57 @@ def test_rolling_back_a_batch_leaves_every_cache_as_plain_decoding(rng):
         for seq in drafted + plain:
             core.release(seq)
     assert core.pages_in_use == 0
+
+
+def trained_workload(vocab: int) -> list[dict]:
+    """52 requests for the trained default model: prompts of 1..300 tokens (past its 128-token
+    window), 1..24 new tokens (so the length limit falls inside drafted blocks), every request
+    stopping at the end-of-sentence token, and two prompts sharing a stored 32-token prefix."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(50):
+        n_prompt = int(torch.randint(1, 301, (1,), generator=gen))
+        out.append({"ids": torch.randint(3, vocab, (n_prompt,), generator=gen).tolist(), "n": 1 + i % 24,
+                    "eos": True})
+    shared = torch.randint(3, vocab, (40,), generator=gen).tolist()
+    out[3]["ids"] = shared + out[3]["ids"]
+    out += [{"ids": shared + [7, 8, 9], "n": 20, "eos": True}, {"ids": shared + [11, 12], "n": 23, "eos": True}]
+    return out
+
+
+@contextmanager
+def trained_pipeline(root, name: str, **dspark):
+    """The inproc pipeline on the built-in trained model `small` and its distilled drafter."""
+    spec = with_overrides(pipeline_for("thread", root / name, block_tokens=16, dspark=dspark),
+                          model={"checkpoint": "small"}, name=name,
+                          generation={"request_timeout_s": 300.0, "chunk_size": 64})
+    with stable_numerics(), Supervisor(spec, root / f"run-{name}") as supervisor:
+        yield supervisor
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_trained_drafter_on_the_default_model_equals_plain_decoding(root):
+    """The gate on the trained model: 52 requests of mixed lengths in waves of 16, long prompts,
+    prefix hits, the length limit inside verified blocks and the stop token wherever the model
+    emits it; `fixed` 5 and `auto` emit plain decoding's tokens and finish reasons."""
+    from dsv41.checkpoint import load_any_config, resolve_model_dir
+
+    vocab = load_any_config(resolve_model_dir("small") / "config.json")[0].text_config.vocab_size
+    requests = trained_workload(vocab)
+    with trained_pipeline(root, "small-off", mode="off") as supervisor:
+        want = in_waves(supervisor, requests)
+    for mode, options in (("fixed", {"length": 5}), ("auto", {})):
+        with trained_pipeline(root, f"small-{mode}", mode=mode, **options) as supervisor:
+            got = in_waves(supervisor, requests)
+            counters = dspark_counters(supervisor)
+        for (tokens, done), (expected, plain_done) in zip(got, want, strict=True):
+            assert tokens == expected, mode
+            assert done.reason == plain_done.reason and done.cached_tokens == plain_done.cached_tokens, mode
+        assert counters["spec_drafts"] > 0, mode
+        print(f"{mode}: {counters['spec_drafts']} verifications for {sum(len(t) for t, _ in got)} tokens")
+    reasons = [done.reason for _, done in want]
+    print(f"finished by length {reasons.count(m.FinishReason.LENGTH)}, by the stop token "
+          f"{reasons.count(m.FinishReason.EOS)}")
+    assert sum(done.cached_tokens > 0 for _, done in want) >= 2  # the prefix hits
+    assert m.FinishReason.LENGTH in reasons
