@@ -554,3 +554,55 @@ def test_dspark_streams_text_whole_characters(running):
     peer = r.start()
     events = list(peer.stream(m.Generate(request_id=3, prompt="x", max_new_tokens=7, stop_at_eos=False)))
     assert [e.text for e in events[:-1]] == ["", "é", "", "", "✓", "o", "k"]
+
+
+def test_dspark_admits_a_request_that_comes_while_a_step_is_out(running):
+    """A request that comes while dspark waits for a step's reply is admitted then: its prefill
+    reaches the encoder before that step is answered (the stand-in answers the step only after
+    it), and both requests finish. Waiting on the step alone, dspark would wait until the step's
+    deadline."""
+    r = running("dspark", engram={"prefetch": False})
+    r.stand_in("tokenizer", lambda message, frames: (
+        m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None))
+    order, held = [], []
+
+    def rows(n: int) -> torch.Tensor:
+        logits = torch.zeros(n, 320)
+        logits[:, 11] = 1.0
+        return logits
+
+    def answer_step(step: m.BatchStep):
+        out, ids = m.Frames(), [item.request_id for item in step.items]
+        return m.BatchLogits(request_id=step.request_id, request_ids=ids, sizes=[1] * len(ids),
+                             logits=out.add(rows(len(ids)))), out
+
+    def encoder(message, frames):
+        if isinstance(message, m.Release):
+            return m.Ack(request_id=message.request_id), None
+        if isinstance(message, m.Prefill):
+            order.append("prefill")
+            out = m.Frames()
+            prefilled = m.Logits(request_id=message.request_id, logits=out.add(rows(1)), cached_tokens=0), out
+            return [prefilled, answer_step(held.pop())] if held else prefilled
+        order.append("step")
+        if order == ["prefill", "step"]:  # the first step waits for the second request's prefill
+            held.append(message)
+            return None
+        return answer_step(message)
+
+    r.stand_in("encoder", encoder)
+    r.start()
+    first, second = r.peer(), r.peer()
+    first.send(m.Generate(request_id=30, prompt="ab", max_new_tokens=3))
+    deadline = time.monotonic() + 30
+    while order != ["prefill", "step"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["prefill", "step"]
+    second.send(m.Generate(request_id=31, prompt="cd", max_new_tokens=3))
+    for rid, client in ((30, first), (31, second)):
+        events = []
+        while not events or not isinstance(events[-1], m.Finished):
+            events.append(client.receive(rid)[0])
+        assert [e.token for e in events[:-1]] == [11, 11, 11]
+        assert events[-1].reason == m.FinishReason.LENGTH
+    assert order[:3] == ["prefill", "step", "prefill"]

@@ -32,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import zmq
 
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
@@ -190,7 +191,11 @@ class DSparkComponent(Component):
     # --- admission ---------------------------------------------------------------------------------
     def _can_admit(self) -> bool:
         return (not self.blocked and len(self.prefilling) < PREFILLS_IN_FLIGHT
-                and len(self.active) + len(self.prefilling) < self.max_running)
+                and self._decoding() + len(self.prefilling) < self.max_running)
+
+    def _decoding(self) -> int:
+        """Requests decoding: waiting for their next step or in a step still out."""
+        return len(self.active) + sum(len(f.batch) for f in self.flights)
 
     def _admit(self) -> None:
         """Send the prefills of the requests at the head of the queue while there is room."""
@@ -247,15 +252,17 @@ class DSparkComponent(Component):
         if request is not None:  # anything else: the Ack of a Release, a cancelled request's prefill
             self._prefilled(request, message, frames)
 
-    def _collect(self, timeout_s: float, until: int | None = None):
+    def _collect(self, timeout_s: float, until: int | None = None, wake: zmq.Socket | None = None):
         """Take the encoder's replies (prefills are answered as they come). Without `until`: wait up
         to timeout_s for one, then take whatever else is there. With `until`: return that request's
-        reply as soon as it is there; raises ComponentError when it does not come within timeout_s."""
+        reply as soon as it is there; raises ComponentError when it does not come within timeout_s.
+        With `wake` (the inbox bell): a wait also ends when a message comes in; with `until`, None
+        is returned then (at most a second after the call), and the caller comes back for it."""
         deadline = time.monotonic() + timeout_s
         wait = timeout_s
         while True:
             try:
-                got = self.encoder.receive_any(min(wait, 1.0))
+                got = self.encoder.receive_any(min(wait, 1.0), wake)
             except ComponentError as e:  # the encoder is gone: every prefill and step in it is lost
                 for request in list(self.prefilling.values()):
                     self._fail(request, e, release=False)
@@ -267,6 +274,8 @@ class DSparkComponent(Component):
             if got is None:
                 if until is None or left <= 0:
                     break
+                if wake is not None:
+                    return None
                 wait = left
                 continue
             message, frames = got
@@ -329,11 +338,11 @@ class DSparkComponent(Component):
             if self.flights:
                 self._land()
             elif self.prefilling:
-                self._collect(0.05)
+                self._collect(0.05, wake=self.inbox_bell)
         except ComponentError:
             pass  # the requests concerned have failed; the next round starts afresh
         self._expire()
-        decoding = len(self.active) + sum(len(f.batch) for f in self.flights)
+        decoding = self._decoding()
         gauges = {"running": decoding + len(self.prefilling), "waiting": len(self.waiting),
                   "prefilling": len(self.prefilling), "decoding": decoding}
         for key, value in gauges.items():  # set, not added (Counter.update adds)
@@ -367,9 +376,15 @@ class DSparkComponent(Component):
             return
         self.flights.append(flight)
 
-    def _reply_to(self, flight: Flight) -> tuple[m.BatchLogits, list[memoryview]]:
-        """The flight's reply (taken early while waiting for another's, or waited for now)."""
-        got = self.arrived.pop(flight.batch_id, None) or self._collect(self.timeout_s, until=flight.batch_id)
+    def _reply_to(self, flight: Flight) -> tuple[m.BatchLogits, list[memoryview]] | None:
+        """The flight's reply (taken early while waiting for another's, or waited for now); None
+        when a message came into the inbox first (a new request is admitted, then the wait goes on)."""
+        got = self.arrived.pop(flight.batch_id, None)
+        if got is None:
+            left = flight.sent + self.timeout_s - time.perf_counter()
+            got = self._collect(max(left, 0.0), until=flight.batch_id, wake=self.inbox_bell)
+            if got is None:
+                return None
         if isinstance(got[0], m.Error):
             raise ComponentError(got[0].code, got[0].component, got[0].text)
         return got
@@ -381,13 +396,16 @@ class DSparkComponent(Component):
         while its step was in flight is left out."""
         flight = self.flights[0]
         try:
-            answer, frames = self._reply_to(flight)
+            got = self._reply_to(flight)
         except (ComponentError, m.MessageError) as e:
             if self.flights and self.flights[0] is flight:  # (a lost encoder has failed every flight)
                 self._fail_flight(self.flights.popleft(), e)
             return
         finally:
             self.arrived.pop(flight.batch_id, None)
+        if got is None:  # the tick takes the new message and comes back for this reply
+            return
+        answer, frames = got
         self.flights.popleft()
         batch, plans = [r for r in flight.batch if self._live(r)], flight.plans
         self._step_time(flight.tokens, time.perf_counter() - flight.sent)

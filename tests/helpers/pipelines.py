@@ -73,10 +73,10 @@ class StandIn:
             identity, *parts = self.sock.recv_multipart()
             message, frames = m.decode(parts)
             self.received.append((message, [bytes(f) for f in frames]))
-            answer = self.answer(message, frames)
-            if answer is not None:
+            answer = self.answer(message, frames)  # None (no reply), a reply, or a list of replies
+            for reply in answer if isinstance(answer, list) else [answer] if answer is not None else []:
                 try:
-                    self.sock.send_multipart([identity, *m.encode(*answer)])
+                    self.sock.send_multipart([identity, *m.encode(*reply)])
                 except zmq.ZMQError as e:  # the asker has gone (a test ending, a killed component)
                     if e.errno != zmq.EHOSTUNREACH:
                         raise
