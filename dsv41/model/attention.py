@@ -289,9 +289,11 @@ class Attention(nn.Module):
             o = self._attend_one(x, qr, q, kv, table, shared)
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)
-        # a batch's sequences each through their own bf16 GEMM: its sums can change with the row count
-        pieces = o.split(shared.split_sizes, dim=1) if shared.split_sizes else [o]
-        o = torch.cat([numerics.einsum("bsgd,grd->bsgr", piece, wo_a) for piece in pieces], dim=1)
+        if shared.split_sizes:  # each sequence through its own bf16 GEMM: its sums can change with the row count
+            o = torch.cat([numerics.einsum("bsgd,grd->bsgr", piece, wo_a)
+                           for piece in o.split(shared.split_sizes, dim=1)], dim=1)
+        else:
+            o = numerics.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
 
     def _attend_one(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
@@ -311,7 +313,7 @@ class Attention(nn.Module):
         """Several sequences' tokens, any number each (x [1, sum of sizes, dim]): each sequence's
         keys and index table come from its own state, then one attention call covers them all
         (the keys side by side, each table shifted to its keys and padded with unused slots). The
-        index queries of every token are computed once."""
+        index queries of every token are computed once (their head weights per sequence)."""
         query = self.indexer.query(x, qr, rows, batch.split_sizes) if self.indexer is not None else None
         windows = self._extended_windows(kv, batch)
         emitted = self.spec.mode is Mode.FULL and self._emits_as_batch(batch.parts)
