@@ -23,6 +23,15 @@ def test_constant_tensors_and_mean_equal_the_python_number_forms(rng, dtype):
         assert torch.equal(_bits(numerics.mean(x, dim)), _bits(x.mean(dim, keepdim=True)))
 
 
+def _block_products(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each 32-wide block's a_k w_k^T [K/32, M, N], from a GEMM of at least two rows (one row alone
+    goes to the BLAS's matrix-vector kernel, which the functions under test avoid)."""
+    m, k = a.shape
+    padded = torch.cat([a, torch.zeros(1, k)])
+    blocks = torch.bmm(padded.view(m + 1, k // 32, 32).transpose(0, 1), w.view(w.size(0), k // 32, 32).permute(1, 2, 0))
+    return blocks[:, :m]
+
+
 def test_block_scaled_matmul_adds_the_blocks_in_order_from_plus_zero(rng):
     """The loop it replaced: a zeroed fp32 accumulator, then every block's scaled partial in K order."""
     for m, n, nk in [(1, 1, 1), (1, 1, 24), (1, 192, 6), (3, 37, 9), (5, 8, 17)]:
@@ -31,7 +40,7 @@ def test_block_scaled_matmul_adds_the_blocks_in_order_from_plus_zero(rng):
             a[0] = -0.0  # a row of -0 partials: the sum from +0 gives +0
         a_scale = torch.exp2(torch.randint(-6, 6, (m, nk), generator=rng).float())
         w_scale = torch.exp2(torch.randint(-6, 6, (n, nk), generator=rng).float())
-        partials = torch.bmm(a.view(m, nk, 32).transpose(0, 1), w.view(n, nk, 32).permute(1, 2, 0))
+        partials = _block_products(a, w)
         scaled = partials * a_scale.t().unsqueeze(-1) * w_scale.t().unsqueeze(1)
         want = torch.zeros(m, n)
         for i in range(nk):
@@ -52,7 +61,7 @@ def test_grouped_block_scaled_matmul_adds_each_groups_blocks_in_order_from_plus_
         w_scale = torch.exp2(torch.randint(-12, 12, (g, n, nk), generator=rng).float())
         got = grouped_block_scaled_matmul(a, a_scale, block_major(w), w_scale)
         for i in range(g):
-            partials = torch.bmm(a[i].view(m, nk, 32).transpose(0, 1), w[i].view(n, nk, 32).permute(1, 2, 0))
+            partials = _block_products(a[i], w[i])
             scaled = partials * a_scale[i].t().unsqueeze(-1) * w_scale[i].t().unsqueeze(1)
             want = torch.zeros(m, n)
             for j in range(nk):
@@ -132,3 +141,33 @@ def test_sparse_attention_by_query_blocks_equals_each_query_alone(rng):
     for j in range(m):
         alone = torch_ops.sparse_attention(q[:, j : j + 1], kv, sink, idx[:, j : j + 1], d**-0.5)
         assert torch.equal(_bits(got[:, j : j + 1]), _bits(alone))
+
+
+def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(rng):
+    """Batched == alone at the bottom: FP8 rows (what the quantized linears take) multiplied one at
+    a time and as a batch of 2..9. On MKL with AVX-512/AMX a one-row product used to take the
+    matrix-vector kernel and come out in other bits than the same row beside others."""
+    from dsv41.model.quant import block_major, grouped_block_scaled_matmul
+
+    def fp8(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=rng) * 16).to(torch.float8_e4m3fn).float()
+
+    for _ in range(20):
+        m = int(torch.randint(2, 10, (), generator=rng))
+        for n, nk in [(64, 8), (512, 32), (256, 2)]:
+            a, w = fp8(m, nk * 32), fp8(n, nk * 32)
+            a_scale = torch.exp2(torch.randint(-6, 6, (m, nk), generator=rng).float())
+            w_scale = torch.exp2(torch.randint(-6, 6, (n, nk), generator=rng).float())
+            batch = block_scaled_matmul(a, a_scale, w, w_scale)
+            for i in range(m):
+                alone = block_scaled_matmul(a[i:i + 1], a_scale[i:i + 1], w, w_scale)
+                assert torch.equal(_bits(alone), _bits(batch[i:i + 1])), (m, n, nk, i)
+            g = 3
+            ga, gw = fp8(g, m, nk * 32), block_major(fp8(g, n, nk * 32))
+            ga_scale = torch.exp2(torch.randint(-6, 6, (g, m, nk), generator=rng).float())
+            gw_scale = torch.exp2(torch.randint(-6, 6, (g, n, nk), generator=rng).float())
+            batch = grouped_block_scaled_matmul(ga, ga_scale, gw, gw_scale)
+            for i in range(m):
+                row, row_scale = ga[:, i:i + 1].contiguous(), ga_scale[:, i:i + 1].contiguous()
+                alone = grouped_block_scaled_matmul(row, row_scale, gw, gw_scale)
+                assert torch.equal(_bits(alone), _bits(batch[:, i:i + 1])), (m, n, nk, i)

@@ -143,8 +143,9 @@ def block_scaled_matmul(
     """
     m, k = a.shape
     n, nk = w.size(0), k // block
-    partials = numerics.bmm(a.view(m, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
-    return _add_scaled_blocks(partials, a_scale.t(), w_scale.t())
+    a = _two_rows_at_least(a, 0)
+    partials = numerics.bmm(a.view(-1, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
+    return _add_scaled_blocks(partials[:, :m], a_scale.t(), w_scale.t())
 
 
 def block_major(w: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -163,9 +164,20 @@ def grouped_block_scaled_matmul(
     sums it: exact products per block, then the blocks added in K order from +0."""
     g, m, k = a.shape
     nk, n = k // block, w_blocks.size(2)
-    a_blocks = a.view(g, m, nk, block).transpose(1, 2).reshape(g * nk, m, block)
-    partials = numerics.bmm(a_blocks, w_blocks.flatten(0, 1).transpose(1, 2)).view(g, nk, m, n).transpose(0, 1)
-    return _add_scaled_blocks(partials, a_scale.permute(2, 0, 1), w_scale.permute(2, 0, 1))
+    a = _two_rows_at_least(a, 1)
+    a_blocks = a.view(g, -1, nk, block).transpose(1, 2).reshape(g * nk, -1, block)
+    partials = numerics.bmm(a_blocks, w_blocks.flatten(0, 1).transpose(1, 2)).view(g, nk, -1, n).transpose(0, 1)
+    return _add_scaled_blocks(partials[..., :m, :], a_scale.permute(2, 0, 1), w_scale.permute(2, 0, 1))
+
+
+def _two_rows_at_least(a: torch.Tensor, dim: int) -> torch.Tensor:
+    """a with a row of zeros appended along `dim` when it has one row. A product with one row goes
+    to the BLAS's matrix-vector kernel, which on some CPUs (MKL on AVX-512/AMX) sums a block in
+    another order than its matrix kernel: a row alone got other bits than the same row in a batch.
+    With two rows or more, every row is summed the same way whatever the row count."""
+    if a.size(dim) != 1:
+        return a
+    return torch.cat([a, torch.zeros_like(a)], dim)
 
 
 def _add_scaled_blocks(partials: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
