@@ -143,6 +143,29 @@ def test_sparse_attention_by_query_blocks_equals_each_query_alone(rng):
         assert torch.equal(_bits(got[:, j : j + 1]), _bits(alone))
 
 
+def test_sparse_attention_does_not_depend_on_unused_slots_past_a_rows_last_index(rng):
+    """A batch's index table is as wide as its widest row, so a row alone has a narrower table
+    than in a batch. Padding a table with unused (-1) slots must not change a bit: the last chunk
+    of 64 is summed as a whole chunk whatever the width (a 70-wide table's 6-key tail summed 6 wide
+    differed from the same keys in a 72-wide one). Tails of 1-16 keys (where vector and scalar sums
+    part) and small queries (close probabilities, so a reordered sum shows through the bf16
+    output)."""
+    from dsv41.kernels import torch_ops
+
+    h, d, n = 4, 64, 200
+    for _ in range(300):
+        width = 64 * int(torch.randint(0, 3, (), generator=rng)) + int(torch.randint(1, 17, (), generator=rng))
+        q = (torch.randn(1, 1, h, d, generator=rng) * 0.05).bfloat16()
+        kv = torch.randn(1, n, d, generator=rng).bfloat16()
+        idx = torch.randperm(n, generator=rng)[:width].int().view(1, 1, width)
+        sink = torch.randn(h, generator=rng)
+        alone = torch_ops.sparse_attention(q, kv, sink, idx, d**-0.5)
+        for extra in (1, 2, 9, 17):
+            wider = torch.nn.functional.pad(idx, (0, extra), value=-1)
+            got = torch_ops.sparse_attention(q, kv, sink, wider, d**-0.5)
+            assert torch.equal(_bits(got), _bits(alone)), (width, extra)
+
+
 def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(rng):
     """Batched == alone at the bottom: FP8 rows (what the quantized linears take) multiplied one at
     a time and as a batch of 2..9. On MKL with AVX-512/AMX a one-row product used to take the

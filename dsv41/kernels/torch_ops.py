@@ -26,12 +26,18 @@ def sparse_attention(
     q [b, m, h, d] bf16, kv [b, n, d] bf16, sink [h] fp32 (added to the denominator unscaled),
     idx [b, m, k] with -1 for unused slots. Online softmax over chunks of 64 indices with the
     probabilities rounded to bf16 before P·V, as the reference kernel does. Output bf16.
+
+    The table is padded with unused slots to whole chunks: a batch's table is as wide as its
+    widest row, and a last chunk of 6 keys summed 6 wide gave other bits than the same 6 among 8,
+    so a sequence's result changed with the sequences beside it.
     """
     b, m, h, d = q.shape
     block = query_block(d)
     if m > block:  # each query's result is its own: blocks of queries keep the gathered keys in cache
         return torch.cat([sparse_attention(q[:, s : s + block], kv, sink, idx[:, s : s + block], scale)
                           for s in range(0, m, block)], dim=1)
+    if idx.size(-1) % ATTENTION_CHUNK:  # whole chunks: a sum over a short last chunk has other bits
+        idx = F.pad(idx, (0, -idx.size(-1) % ATTENTION_CHUNK), value=-1)
     qf = q.float()
     out = torch.zeros(b, m, h, d, dtype=torch.float32)
     denom = torch.zeros(b, m, h, dtype=torch.float32)
