@@ -23,7 +23,7 @@ def sparse_attention(
 ) -> torch.Tensor:
     """One softmax over gathered entries plus a per-head sink; K = V.
 
-    q [b, m, h, d] bf16, kv [b, n, d] bf16, sink [h] fp32 (added to the denominator unscaled),
+    q [b, m, h, d] bf16, kv [b, n, d] bf16 (or its fp32 copy), sink [h] fp32 (added to the denominator unscaled),
     idx [b, m, k] with -1 for unused slots. Online softmax over chunks of 64 indices with the
     probabilities rounded to bf16 before P·V, as the reference kernel does. Output bf16.
 
@@ -32,6 +32,8 @@ def sparse_attention(
     so a sequence's result changed with the sequences beside it.
     """
     b, m, h, d = q.shape
+    if kv.dtype != torch.float32:  # once for the table, not once per query that gathers a row
+        kv = kv[:1].float().expand(kv.shape) if kv.stride(0) == 0 else kv.float()
     block = query_block(d)
     if m > block:  # each query's result is its own: blocks of queries keep the gathered keys in cache
         return torch.cat([sparse_attention(q[:, s : s + block], kv, sink, idx[:, s : s + block], scale)
@@ -46,7 +48,7 @@ def sparse_attention(
         chunk = idx[:, :, start : start + ATTENTION_CHUNK]
         valid = chunk != -1
         # unused slots read row 0: finite, and weighted by p = 0
-        keys = gather_rows(kv, chunk.flatten(1)).view(*chunk.shape, d).float()
+        keys = gather_rows(kv, chunk.flatten(1)).view(*chunk.shape, d)
         logits = torch.where(valid.unsqueeze(2), numerics.einsum("bmhd,bmkd->bmhk", qf, keys), -torch.inf) * scale
         previous = running_max
         running_max = torch.maximum(previous, logits.amax(dim=-1))
