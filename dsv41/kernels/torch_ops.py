@@ -32,8 +32,7 @@ def sparse_attention(
     so a sequence's result changed with the sequences beside it.
     """
     b, m, h, d = q.shape
-    if kv.dtype != torch.float32:  # once for the table, not once per query that gathers a row
-        kv = kv[:1].float().expand(kv.shape) if kv.stride(0) == 0 else kv.float()
+    kv = kv.float()  # once for the table, not once per query that gathers a row (no copy when fp32)
     block = query_block(d)
     if m > block:  # each query's result is its own: blocks of queries keep the gathered keys in cache
         return torch.cat([sparse_attention(q[:, s : s + block], kv, sink, idx[:, s : s + block], scale)
