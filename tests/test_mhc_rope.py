@@ -96,11 +96,12 @@ def test_rope_touches_only_the_last_dims_and_preserves_norm(rng):
 def test_predict_by_rows_equals_each_sequence_alone(rng):
     """A batch's sequences (`rows`) get the coefficients each would get alone, bit for bit: the GEMM
     and the gates' sigmoids run per sequence (both change their last bits with the tensor's shape
-    on some CPUs); sizes that put sequences across vector boundaries."""
+    on some CPUs); sizes that put sequences across vector boundaries, and equal sizes (one token
+    each: a decode step), whose gates run as one pass over the batch."""
     hc, dim = 4, 64
     fn = torch.randn((2 + hc) * hc, hc * dim, generator=rng) * 0.05
     scale, base = torch.rand(3, generator=rng), torch.randn((2 + hc) * hc, generator=rng) * 0.1
-    for sizes in ([3, 64], [1, 17, 5], [33, 2, 40]):
+    for sizes in ([3, 64], [1, 17, 5], [33, 2, 40], [1] * 40, [5] * 9, [2, 2]):
         x = (torch.randn(1, sum(sizes), hc, dim, generator=rng) * 4).bfloat16()
         batched = mhc.predict(x, fn, scale, base, hc, 20, 1e-6, 1e-6, rows=sizes)
         alone = [mhc.predict(part.contiguous(), fn, scale, base, hc, 20, 1e-6, 1e-6) for part in x.split(sizes, 1)]

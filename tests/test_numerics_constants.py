@@ -194,3 +194,31 @@ def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(
                 row, row_scale = ga[:, i:i + 1].contiguous(), ga_scale[:, i:i + 1].contiguous()
                 alone = grouped_block_scaled_matmul(row, row_scale, gw, gw_scale)
                 assert torch.equal(_bits(alone), _bits(batch[:, i:i + 1])), (m, n, nk, i)
+
+
+@pytest.mark.parametrize("fn", [torch.sigmoid, torch.exp])
+def test_elementwise_runs_gives_each_run_the_bits_it_gets_alone(rng, fn):
+    """A batch's gates (4 or 16 values per token) through one call, each sequence as alone: on a
+    plain contiguous tensor an element takes vector or scalar code by its place in the whole."""
+    for run, count in ((4, 40), (16, 9), (20, 3), (80, 17), (4, 2)):
+        x = torch.randn(1, count * run, generator=rng) * 4
+        alone = torch.cat([fn(part.clone()) for part in x.split(run, dim=1)], dim=1)
+        assert torch.equal(numerics.elementwise_runs(fn, x, run), alone), (run, count)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_linears_of_equal_sequences_give_each_the_bits_it_gets_alone(rng, tokens):
+    """A batch of equal sequences (a decode step, a verification of fixed length) multiplied as
+    one batched GEMM where this machine's BLAS allows it, else per sequence: either way each
+    sequence gets its own GEMM's bits, in the shapes of the `small` model's per-sequence GEMMs."""
+    for dtype, (n, k) in ((torch.float32, (24, 768)), (torch.float32, (4096, 192)), (torch.bfloat16, (64, 192))):
+        w = torch.randn(n, k, generator=rng).to(dtype)
+        for count in (2, 8, 33):
+            x = torch.randn(1, count * tokens, k, generator=rng).to(dtype)
+            alone = torch.cat([numerics.linear(part, w) for part in x.split(tokens, dim=1)], dim=1)
+            assert torch.equal(numerics.linear(x, w, [tokens] * count), alone), (dtype, n, k, count)
+    wo_a = torch.randn(2, 64, 128, generator=rng).bfloat16()
+    for count in (2, 8, 33):
+        o = torch.randn(1, count * tokens, 2, 128, generator=rng).bfloat16()
+        alone = torch.cat([numerics.grouped_linear(part, wo_a) for part in o.split(tokens, dim=1)], dim=1)
+        assert torch.equal(numerics.grouped_linear(o, wo_a, [tokens] * count), alone), count

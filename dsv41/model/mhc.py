@@ -33,6 +33,8 @@ def sinkhorn_split(
         return _compiled_split()(*args)
     if rows is None:
         pre, post, comb = _gates(*args[:-1])
+    elif len(set(rows)) == 1:  # sequences of equal token counts (a decode step): one pass, each as alone
+        pre, post, comb = _gates(*args[:-1], tokens_each=rows[0])
     else:
         pres, posts, combs = zip(*(_gates(part, *args[1:-1]) for part in mixes.split(rows, dim=-2)), strict=True)
         pre, post, comb = torch.cat(pres, dim=-2), torch.cat(posts, dim=-2), torch.cat(combs, dim=-3)
@@ -56,13 +58,21 @@ def _split(
 
 def _gates(
     mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, eps: torch.Tensor, two: torch.Tensor, hc: int,
+    tokens_each: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pre, post and the comb's exponentials (before its row and column normalisation)."""
+    """pre, post and the comb's exponentials (before its row and column normalisation).
+    `tokens_each`: mixes hold sequences of this many tokens each, and each one's gates come out as
+    alone (mixes [1, s, ...]: the sigmoid and exp take each sequence's values as their own run)."""
     m, scale, base = mixes.float(), scale.float(), base.float()
-    pre = numerics.elementwise(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc]) + eps
-    post = two * numerics.elementwise(torch.sigmoid, m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    run = None if tokens_each is None else tokens_each * hc
+
+    def apply(fn, x: torch.Tensor, width: int) -> torch.Tensor:
+        return numerics.elementwise(fn, x) if run is None else numerics.elementwise_runs(fn, x, run * width)
+
+    pre = apply(torch.sigmoid, m[..., :hc] * scale[0] + base[:hc], 1) + eps
+    post = two * apply(torch.sigmoid, m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc], 1)
     logits = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
-    return pre, post, numerics.elementwise(torch.exp, logits - logits.amax(dim=-1, keepdim=True))
+    return pre, post, apply(torch.exp, logits - logits.amax(dim=-1, keepdim=True), hc)
 
 
 def _normalize(comb: torch.Tensor, eps: torch.Tensor, iters: int) -> torch.Tensor:

@@ -132,6 +132,9 @@ class MoE(nn.Module):
         are dropped), and each token's outputs are added in increasing expert id as there."""
         n, k = ids.shape
         used, group, counts = torch.unique(ids.flatten(), return_inverse=True, return_counts=True)
+        if 2 * used.numel() > len(self.experts):  # most experts in use: multiply them all, copy no weights
+            group, used = ids.flatten(), torch.arange(len(self.experts))
+            counts = torch.bincount(group, minlength=len(self.experts))
         width = int(counts.max())
         order = torch.argsort(group, stable=True)
         rank = torch.empty_like(order)

@@ -76,12 +76,69 @@ def wide(t: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
     """x @ w.T. `rows`: the token counts of a batch's sequences along x's second-to-last axis,
-    each multiplied as alone (a GEMM's sums for one row change with the rows beside it)."""
+    each multiplied as alone (a GEMM's sums for one row change with the rows beside it): as one
+    batched GEMM when they are equal and this machine gives each matrix of it the bits of its own
+    GEMM, else one GEMM per sequence."""
     if rows is not None:
+        if _as_batch_keeps_bits("linear", x, w, rows):
+            return _linear_as_batch(x, w, len(rows))
         return torch.cat([linear(part, w) for part in x.split(rows, dim=-2)], dim=-2)
     if not _stable:
         return F.linear(x, w)
     return _contract_last(x.double().unsqueeze(-2) * w.double(), torch.promote_types(x.dtype, w.dtype))
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+    """x [1, s, g, d] through per-group weights w [g, r, d] -> [1, s, g, r] (the grouped output
+    projection). `rows`: as `linear` takes them, each sequence multiplied as alone."""
+    equation = "bsgd,grd->bsgr"
+    if rows is None:
+        return einsum(equation, x, w)
+    if _as_batch_keeps_bits("grouped", x, w, rows):
+        return _grouped_as_batch(x, w, len(rows))
+    return torch.cat([einsum(equation, part, w) for part in x.split(rows, dim=1)], dim=1)
+
+
+def _linear_as_batch(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """`linear` of n equal sequences as one bmm, each sequence one matrix of it."""
+    flat = x.reshape(n, -1, x.size(-1))
+    return torch.bmm(flat, w.t().expand(n, -1, -1)).reshape(*x.shape[:-1], w.size(0))
+
+
+def _grouped_as_batch(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """`grouped_linear` of n equal sequences as one bmm, each sequence's group one matrix of it."""
+    g, d = w.size(0), w.size(-1)
+    per_group = x.reshape(n, -1, g, d).transpose(1, 2).reshape(n * g, -1, d)
+    weights = w.transpose(1, 2).unsqueeze(0).expand(n, -1, -1, -1).reshape(n * g, d, -1)
+    return torch.bmm(per_group, weights).view(n, g, -1, w.size(1)).transpose(1, 2).reshape(*x.shape[:-1], -1)
+
+
+def _as_batch_keeps_bits(kind: str, x: torch.Tensor, w: torch.Tensor, rows: list[int]) -> bool:
+    """Whether `kind` ("linear" or "grouped") may run a batch of equal sequences as one batched
+    GEMM: outside stable mode, on the CPU, one batch row of x, and this machine's BLAS giving every
+    matrix of the batched GEMM the bits of its own GEMM (checked once per shape)."""
+    if _stable or len(rows) < 2 or len(set(rows)) != 1 or x.device.type != "cpu" or x.shape[:-3].numel() != 1:
+        return False
+    if kind == "linear" and x.shape[:-2].numel() != 1:
+        return False
+    return _batch_gives_alone_bits(kind, x.dtype, w.dtype, tuple(w.shape), rows[0], torch.get_num_threads())
+
+
+@cache
+def _batch_gives_alone_bits(kind: str, x_dtype: torch.dtype, w_dtype: torch.dtype, w_shape: tuple[int, ...],
+                            tokens: int, threads: int) -> bool:
+    """Compare the batched GEMM with per-sequence GEMMs on random values, at two batch sizes: the
+    BLAS picks its kernel by shape (not by value), so equal bits here mean equal bits always."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(w_shape, generator=generator).to(w_dtype)
+    alone, batched = (linear, _linear_as_batch) if kind == "linear" else (grouped_linear, _grouped_as_batch)
+    for count in (2, 9):
+        shape = (1, count * tokens, w_shape[-1]) if kind == "linear" else (1, count * tokens, w_shape[0], w_shape[-1])
+        x = torch.randn(shape, generator=generator).to(x_dtype)
+        each = torch.cat([alone(part, w) for part in x.split(tokens, dim=1)], dim=1)
+        if not torch.equal(batched(x, w, count), each):
+            return False
+    return True
 
 
 def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -131,3 +188,18 @@ def elementwise(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if not _stable:
         return fn(x, *args, **kwargs)
     return fn(x.double(), *args, **kwargs).to(x.dtype)
+
+
+def elementwise_runs(fn, x: torch.Tensor, run: int) -> torch.Tensor:
+    """`elementwise(fn, x)` with every `run` consecutive elements of x (in row-major order) computed
+    as if they were a tensor of their own: a batch's sequences, each as alone. Torch's loop over a
+    contiguous tensor takes vector code for whole vectors from the start and scalar code for the
+    tail, so an element's code (and on some CPUs its last bit) depends on its place in the whole
+    tensor. Here the runs sit in rows one element apart, which torch cannot fuse into one loop:
+    each run is its own loop from its first element, as in a tensor of `run` elements."""
+    if _stable or x.numel() <= run:
+        return elementwise(fn, x)
+    flat = x.reshape(-1, run)
+    gapped = torch.empty(flat.size(0), run + 1, dtype=x.dtype, device=x.device)[:, :run]
+    gapped.copy_(flat)
+    return fn(gapped).reshape(x.shape)
