@@ -82,3 +82,25 @@ def test_hash_ids_follow_the_rule_with_dead_positions(rng):
     for p in range(12):
         assert got[0, p].flatten().tolist() == _expected_rows(hasher, compressed, p)
     assert got.shape == (1, 12, 2, 6)
+
+
+def test_engram_gates_of_a_batch_equal_each_sequence_alone(rng):
+    """With `sizes`, each sequence's gated streams are the bits it gets alone: unequal sizes gate
+    one sequence at a time, equal ones (a decode step) in one call with each sequence's gates as a
+    run of their own (torch's sigmoid takes vector or scalar code by an element's place)."""
+    from dsv41.checkpoint import load_any_config, resolve_model_dir
+    from dsv41.model.engram import Engram
+
+    t = load_any_config(resolve_model_dir("small") / "config.json")[0].text_config
+    engram = Engram(t, 0)
+    with torch.no_grad():
+        for p in engram.parameters():
+            p.copy_((torch.randn(p.shape, generator=rng) * 0.2).to(p.dtype))
+    n_cols = (t.engram_max_ngram_size - 1) * t.engram_n_heads
+    for sizes in ([1] * 9, [3] * 5, [2, 5, 1]):
+        x = (torch.randn(1, sum(sizes), t.hc_mult, t.hidden_size, generator=rng) * 2).bfloat16()
+        looked = torch.randn(1, sum(sizes), n_cols, t.engram_head_dim, generator=rng).bfloat16()
+        batched = engram(x, looked, sizes=sizes)
+        alone = [engram(part_x.contiguous(), part_rows.contiguous())
+                 for part_x, part_rows in zip(x.split(sizes, 1), looked.split(sizes, 1), strict=True)]
+        assert torch.equal(batched, torch.cat(alone, dim=1)), sizes

@@ -75,7 +75,8 @@ def test_gate_scores_by_sequence_equal_each_sequence_alone(rng):
     with torch.no_grad():
         gate.weight.copy_(torch.randn(8, 64, generator=rng).bfloat16())
         gate.bias.copy_(torch.randn(8, generator=rng) * 0.01)
-    for sizes in [[3, 64], [5, 1, 7], [64, 3]] * 10:  # (the whole batch's scores: a case in 15 differs here)
+    # (the whole batch's scores: a case in 15 differs here); equal sizes score the batch in one call
+    for sizes in [[3, 64], [5, 1, 7], [64, 3], [1] * 8, [5] * 6, [2] * 33] * 10:
         x = (torch.randn(sum(sizes), 64, generator=rng) * 3).bfloat16()
         weights, ids = gate(x, sizes=sizes)
         alone = [gate(part.contiguous()) for part in x.split(sizes)]

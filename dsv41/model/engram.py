@@ -199,6 +199,8 @@ class Engram(nn.Module):
         signed_root = torch.copysign(numerics.elementwise(torch.sqrt, dot.abs().clamp_min(1e-6)), dot)
         if sizes is None:
             gate = numerics.elementwise(torch.sigmoid, signed_root)
+        elif len(set(sizes)) == 1:  # equal sequences (a decode step): one call, each as alone
+            gate = numerics.elementwise_runs(torch.sigmoid, signed_root, sizes[0] * self.hc)
         else:
             gate = torch.cat([numerics.elementwise(torch.sigmoid, part) for part in signed_root.split(sizes, dim=1)],
                              dim=1)

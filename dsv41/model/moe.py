@@ -30,13 +30,23 @@ class Gate(nn.Module):
         self.bias_vl = (nn.Parameter(torch.empty(n_experts, dtype=torch.float32, device=device),
                                      requires_grad=False) if with_vision_bias else None)
 
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        logits = numerics.linear(x.float(), self.weight.float())
+    def scores(self, x: torch.Tensor, tokens_each: int | None = None) -> torch.Tensor:
+        """Every expert's score [n, experts]. `tokens_each`: x holds sequences of this many tokens
+        each, scored as alone (their GEMMs as one batched GEMM where that keeps the bits, the
+        transcendentals over each sequence's scores as a run of its own)."""
+        rows = None if tokens_each is None else [tokens_each] * (x.size(0) // tokens_each)
+        logits = numerics.linear(x.float(), self.weight.float(), rows)
         if self.scoring == "softmax":
             return numerics.elementwise(torch.softmax, logits, dim=-1)
+
+        def apply(fn, t: torch.Tensor) -> torch.Tensor:
+            if rows is None:
+                return numerics.elementwise(fn, t)
+            return numerics.elementwise_runs(fn, t, tokens_each * t.size(-1))
+
         if self.scoring == "sigmoid":
-            return numerics.elementwise(torch.sigmoid, logits)
-        return numerics.elementwise(torch.sqrt, numerics.elementwise(F.softplus, logits))
+            return apply(torch.sigmoid, logits)
+        return apply(torch.sqrt, apply(F.softplus, logits))
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
                 sizes: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +54,12 @@ class Gate(nn.Module):
         of a batch's sequences along n, whose scores are then computed as alone (an fp32 GEMM's
         sums change with its row count, and softplus's vector and scalar code, which covers a
         tensor's last elements, differ in the last bits on some CPUs)."""
-        scores = self.scores(x) if sizes is None else torch.cat([self.scores(part) for part in x.split(sizes)])
+        if sizes is None:
+            scores = self.scores(x)
+        elif len(set(sizes)) == 1 and self.scoring != "softmax":
+            scores = self.scores(x, sizes[0])
+        else:
+            scores = torch.cat([self.scores(part) for part in x.split(sizes)])
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
