@@ -219,5 +219,7 @@ def test_fp32_linears_of_equal_sequences_give_each_the_bits_it_gets_alone(rng, t
             x = torch.randn(1, count * tokens, k, generator=rng) * 3
             alone = torch.cat([numerics.linear(part, w) for part in x.split(tokens, dim=1)], dim=1)
             assert torch.equal(numerics.linear(x, w, [tokens] * count), alone), (n, k, count)
+            # the batched form itself (used only where it gives these bits): the same values
+            torch.testing.assert_close(numerics._linear_as_batch(x, w, count), alone, rtol=1e-5, atol=1e-5)
     bf16 = torch.randn(64, 192, generator=rng).bfloat16(), torch.randn(1, 8, 192, generator=rng).bfloat16()
     assert not numerics._as_batch_keeps_bits(bf16[1], bf16[0], [1] * 8)  # bf16 stays per sequence

@@ -142,14 +142,18 @@ class MoE(nn.Module):
         return y
 
     def _routed_grouped(self, x, weights, ids, quantized: QuantizedRows) -> torch.Tensor:
-        """`_routed_per_expert` with each projection of every expert in use as one batched GEMM:
-        the experts' rows are padded to the busiest one's count (padding rows carry weight 0 and
-        are dropped), and each token's outputs are added in increasing expert id as there."""
+        """`_routed_per_expert` with each projection of the experts as one batched GEMM: every
+        expert when more than half are in use (idle ones get padding rows; no weights copied),
+        else only those in use. Rows are padded to the busiest expert's count (padding rows carry
+        weight 0 and are dropped), and each token's outputs are added in increasing expert id as there."""
         n, k = ids.shape
-        used, group, counts = torch.unique(ids.flatten(), return_inverse=True, return_counts=True)
-        if 2 * used.numel() > len(self.experts):  # most experts in use: multiply them all, copy no weights
-            group, used = ids.flatten(), torch.arange(len(self.experts))
-            counts = torch.bincount(group, minlength=len(self.experts))
+        group = ids.flatten()
+        counts = torch.bincount(group, minlength=len(self.experts))
+        used = torch.arange(len(self.experts))
+        if 2 * int((counts > 0).sum()) <= len(self.experts):  # few in use: only theirs (their weights picked)
+            used = counts.nonzero().squeeze(1)
+            group = (torch.cumsum(counts > 0, 0) - 1)[group]
+            counts = counts[used]
         width = int(counts.max())
         order = torch.argsort(group, stable=True)
         rank = torch.empty_like(order)
