@@ -1,8 +1,9 @@
-"""The opt-in fast GEMM (DSV41_FAST_GEMM=1) on the default model, whose linears sum six or more
-32-element blocks: the logits of a prefill and of teacher-forced decode steps stay within the
-parity policy of the reference numerics, and a greedy token may differ only at a near tie.
-(Products of FP8 and FP4 values are exact in fp32 and their sums mostly are too, so the two orders
-often give the same bits; the golden data is checked in tests/test_parity.py.)"""
+"""The opt-in fast GEMM (DSV41_FAST_GEMM=1) and prefill attention over shared keys
+(DSV41_FAST_ATTENTION=1) on the default model, whose linears sum six or more 32-element blocks:
+the logits of a prefill and of teacher-forced decode steps stay within the parity policy of the
+reference numerics, and a greedy token may differ only at a near tie. (Products of FP8 and FP4
+values are exact in fp32 and their sums mostly are too, so the two orders often give the same
+bits; the golden data is checked in tests/test_parity.py.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from dsv41.checkpoint import load_model
 from dsv41.engine.core import InferenceCore
+from dsv41.kernels import torch_ops
 from dsv41.model import layers, moe
 from dsv41.model.numerics import opt_in, stable_numerics
 from dsv41.parity import FLOAT_TOLERANCE, compare, top2_gap
@@ -50,25 +52,36 @@ def _first_routing_flip(want_calls, got_calls):
     return None
 
 
-def test_fast_gemm_stays_within_the_parity_policy_on_small(monkeypatch, rng):
+# prompt tokens per case: the attention's takes three blocks of shared keys (64 queries each)
+PROMPT = {"DSV41_FAST_GEMM": 40, "DSV41_FAST_ATTENTION": 150}
+
+
+@pytest.mark.parametrize("fast", sorted(PROMPT))
+def test_fast_path_stays_within_the_parity_policy_on_small(fast, monkeypatch, rng):
     """Three random prompts, each within the policy, or else (one of them at most) moved by an
     expert choice that flipped on a near tie: at the first router call whose experts differ, the
     flipped token's scores in the fast run are within the policy of the reference's, and the
     reference's k-th and (k+1)-th scores of it within the policy of each other. About 1 % of random
-    prompts flip so, and their logits then end 1.6-9 % of the scale away (4 in 300 seeds)."""
+    prompts flip so with the fast GEMM, and their logits then end 1.6-9 % of the scale away (4 in
+    300 seeds); with the shared-keys attention none of 30 150-token prompts left the policy (one of
+    15 300-token prompts did, by such a flip)."""
     model, _ = load_model("small")
     model.eval()
     core = InferenceCore(model)
     vocab = model.config.text_config.vocab_size
     draw = lambda n: torch.randint(3, vocab, (n,), generator=rng).tolist()  # noqa: E731
-    cases = [(draw(40), draw(6)) for _ in range(3)]
+    cases = [(draw(PROMPT[fast]), draw(6)) for _ in range(3)]
     wants = [_routed_logits(core, prompt, forced, monkeypatch) for prompt, forced in cases]
-    monkeypatch.setenv("DSV41_FAST_GEMM", "1")
+    monkeypatch.setenv(fast, "1")
+    shared_runs = []
+    if fast == "DSV41_FAST_GEMM":
+        def refuse(*args):
+            raise AssertionError("the block-by-block GEMM ran in fast mode")
 
-    def refuse(*args):
-        raise AssertionError("the block-by-block GEMM ran in fast mode")
-
-    monkeypatch.setattr(layers, "block_scaled_matmul", refuse)
+        monkeypatch.setattr(layers, "block_scaled_matmul", refuse)
+    else:
+        shared = torch_ops._shared_keys_attention
+        monkeypatch.setattr(torch_ops, "_shared_keys_attention", lambda *a: shared_runs.append(1) or shared(*a))
     flipped_away = 0
     for (prompt, forced), (want, want_calls) in zip(cases, wants, strict=True):
         got, got_calls = _routed_logits(core, prompt, forced, monkeypatch)
@@ -86,6 +99,7 @@ def test_fast_gemm_stays_within_the_parity_policy_on_small(monkeypatch, rng):
         flipped = got.argmax(-1) != want.argmax(-1)
         assert bool((top2_gap(want)[flipped] <= FLOAT_TOLERANCE * float(want.abs().max())).all())
     assert flipped_away <= 1, f"{flipped_away} of 3 prompts moved by a flipped expert choice"
+    assert fast == "DSV41_FAST_GEMM" or shared_runs
 
 
 def test_a_fast_path_switch_takes_0_or_1_and_stays_off_where_it_must(monkeypatch):

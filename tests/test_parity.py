@@ -122,11 +122,12 @@ def test_parity_holds_under_other_instruction_sets(setting):
     assert summary["max_rel"] <= FLOAT_TOLERANCE
 
 
-@pytest.mark.parametrize("fast", ["DSV41_FAST_MHC", "DSV41_FAST_GEMM"])
+@pytest.mark.parametrize("fast", ["DSV41_FAST_MHC", "DSV41_FAST_GEMM", "DSV41_FAST_ATTENTION"])
 def test_fast_paths_keep_every_choice_and_the_float_policy(fast):
     """DSV41_FAST_MHC=1 compiles the Sinkhorn, whose sums then run in inductor's order;
     DSV41_FAST_GEMM=1 sums each quantized linear's exact products in one GEMM instead of block by
-    block: the golden data's choices (argmax, experts, Top-k) and quantized values stay exact, so
+    block; DSV41_FAST_ATTENTION=1 multiplies a prefill's queries with their shared keys in one GEMM:
+    the golden data's choices (argmax, experts, Top-k) and quantized values stay exact, so
     greedy tokens are the official ones, and the floats stay within the policy."""
     env = {**os.environ, fast: "1"}
     code = _SUMMARY.format(golden=str(GOLDEN), keys=DISCRETE_OR_QUANTIZED)

@@ -31,11 +31,19 @@ def sparse_attention(
     widest row, and a last chunk of 6 keys summed 6 wide gave other bits than the same 6 among 8,
     so a sequence's result changed with the sequences beside it.
     """
-    b, m, h, d = q.shape
     kv = kv.float()  # once for the table, not once per query that gathers a row (no copy when fp32)
+    if q.size(1) > 1 and numerics.opt_in("DSV41_FAST_ATTENTION", "prefill attention over shared keys"):
+        return torch.stack([_shared_keys_attention(q[i], kv[i if kv.size(0) > 1 else 0], sink, idx[i], scale)
+                            for i in range(q.size(0))])
+    return _gathered_keys_attention(q, kv, sink, idx, scale)
+
+
+def _gathered_keys_attention(q, kv, sink, idx, scale: float) -> torch.Tensor:
+    """The reference order: each query multiplies its own gathered keys (kv fp32)."""
+    b, m, h, d = q.shape
     block = query_block(d)
     if m > block:  # each query's result is its own: blocks of queries keep the gathered keys in cache
-        return torch.cat([sparse_attention(q[:, s : s + block], kv, sink, idx[:, s : s + block], scale)
+        return torch.cat([_gathered_keys_attention(q[:, s : s + block], kv, sink, idx[:, s : s + block], scale)
                           for s in range(0, m, block)], dim=1)
     if idx.size(-1) % ATTENTION_CHUNK:  # whole chunks: a sum over a short last chunk has other bits
         idx = F.pad(idx, (0, -idx.size(-1) % ATTENTION_CHUNK), value=-1)
@@ -58,6 +66,74 @@ def sparse_attention(
         out = out * rescale.unsqueeze(-1) + pv
     denom = denom + numerics.elementwise(torch.exp, sink.float() - running_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+SHARED_QUERY_BLOCK = 64  # queries whose keys are multiplied as one table by _shared_keys_attention
+# A block whose queries read more distinct keys than this many times one query's indices goes the
+# gathered way: the shared GEMMs grow with the distinct keys, the gathered products with the indices
+# (measured on `mini`, 1 and 2 threads: the shared way is the faster up to about 7 times).
+SHARED_KEYS_LIMIT = 6
+
+
+def _shared_keys_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """`sparse_attention` of one sequence (q [m, h, d], kv [n, d] fp32, idx [m, k]) in large GEMMs:
+    each block of SHARED_QUERY_BLOCK queries multiplies every key any of them reads, once, instead
+    of each query its own gathered keys (neighbouring queries share their window and often their
+    Top-k entries, so a key is read once per block rather than once per query).
+
+    The softmax is the reference's online softmax over each query's own chunks of 64 indices (the
+    same running maxima, bf16-rounded probabilities and denominators); only the sums differ in order:
+    a GEMM's dot products, and each chunk's rescaling applied to its probabilities before one P·V
+    product rather than to the running output. So results agree with the reference to fp32
+    rounding before the final bf16 rounding (docs/performance.md: about 1 output in 10^4 moves by
+    one bf16 step). Opt-in (DSV41_FAST_ATTENTION=1), inference only."""
+    m, h, d = q.shape
+    if idx.size(-1) % ATTENTION_CHUNK:
+        idx = F.pad(idx, (0, -idx.size(-1) % ATTENTION_CHUNK), value=-1)
+    k = idx.size(-1)
+    chunks = k // ATTENTION_CHUNK
+    floor = numerics.scalar(-1e30)
+    out = []
+    for s in range(0, m, SHARED_QUERY_BLOCK):
+        block = idx[s : s + SHARED_QUERY_BLOCK]
+        n = block.size(0)
+        shared, where = _distinct(block, kv.size(0))
+        if shared.numel() > SHARED_KEYS_LIMIT * k:
+            out.append(_gathered_keys_attention(q[None, s : s + n], kv[None], sink, block[None], scale)[0])
+            continue
+        keys = kv.index_select(0, shared.clamp(min=0))
+        qf = q[s : s + SHARED_QUERY_BLOCK].float().reshape(n * h, d)
+        where = where.unsqueeze(1).expand(n, h, k)
+        every = (qf @ keys.t()).view(n, h, -1)
+        logits = torch.where((block >= 0).unsqueeze(1), every.gather(2, where), -torch.inf) * scale
+        logits = logits.view(n, h, chunks, ATTENTION_CHUNK)
+        running = torch.cummax(torch.maximum(logits.amax(dim=-1), floor), dim=-1).values  # after each chunk
+        before = torch.cat([floor.expand(n, h, 1), running[..., :-1]], dim=-1)
+        rescale = torch.exp(before - running)
+        probs = torch.exp(logits - running.unsqueeze(-1))
+        sums = probs.sum(dim=-1)
+        denom = torch.zeros(n, h)
+        later = torch.ones(n, h, chunks)  # product of the rescalings after each chunk
+        for c in range(chunks):
+            denom = denom * rescale[..., c] + sums[..., c]
+        for c in range(chunks - 2, -1, -1):
+            later[..., c] = later[..., c + 1] * rescale[..., c + 1]
+        weights = (probs.to(torch.bfloat16).float() * later.unsqueeze(-1)).view(n, h, k)
+        p = torch.zeros(n, h, shared.numel()).scatter_add_(2, where, weights)  # a key read twice counts twice
+        pv = (p.view(n * h, -1) @ keys).view(n, h, d)
+        denom = denom + torch.exp(sink.float() - running[..., -1])
+        out.append((pv / denom.unsqueeze(-1)).to(torch.bfloat16))
+    return torch.cat(out)
+
+
+def _distinct(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.unique(ids, return_inverse=True) for ids in [-1, n): the distinct ids in increasing
+    order and each id's place among them, by marking them in a table of n + 1 rows (no sort)."""
+    marked = torch.zeros(n + 1, dtype=torch.bool)
+    marked[ids.flatten() + 1] = True
+    place = marked.cumsum(0) - 1
+    return marked.nonzero().squeeze(1) - 1, place[ids + 1]
 
 
 def query_block(dim: int) -> int:

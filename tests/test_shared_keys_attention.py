@@ -1,0 +1,60 @@
+"""The opt-in prefill attention over shared keys (DSV41_FAST_ATTENTION=1) against the reference
+order of `sparse_attention`: the same online softmax, only the sums in another order."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.kernels import torch_ops
+
+
+def _inputs(rng, b=2, m=150, h=4, d=64, n=400, k=200):
+    """Queries that read a window of 64 neighbouring rows and 136 drawn ones each (so a block's
+    queries share keys, as in a prefill), some slots unused, one query with none at all; queries
+    scaled up so that the chunks' maxima differ and the online rescaling matters."""
+    q = (torch.randn(b, m, h, d, generator=rng) * 3).bfloat16()
+    kv = torch.randn(b, n, d, generator=rng).bfloat16()
+    sink = torch.randn(h, generator=rng)
+    window = (torch.arange(m).view(m, 1) * (n - 64) // m + torch.arange(64)).expand(b, m, 64)
+    drawn = torch.randint(0, n, (b, m, k - 64), generator=rng)
+    idx = torch.cat([window, drawn], dim=-1)
+    idx = torch.where(torch.rand(b, m, k, generator=rng) < 0.1, -1, idx).int()
+    idx[0, 7] = -1
+    return q, kv, sink, idx
+
+
+def _attention(monkeypatch, fast: str, *args) -> torch.Tensor:
+    monkeypatch.setenv("DSV41_FAST_ATTENTION", fast)
+    with torch.inference_mode():
+        return torch_ops.sparse_attention(*args, 64**-0.5)
+
+
+def test_shared_keys_move_an_output_by_one_bf16_step_at_most_and_rarely(monkeypatch, rng):
+    q, kv, sink, idx = _inputs(rng)
+    want = _attention(monkeypatch, "0", q, kv, sink, idx)
+    calls = []
+    shared = torch_ops._shared_keys_attention
+    monkeypatch.setattr(torch_ops, "_shared_keys_attention", lambda *a: calls.append(1) or shared(*a))
+    got = _attention(monkeypatch, "1", q, kv, sink, idx)
+    assert len(calls) == q.size(0)
+    step = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(2**-30))) - 7)  # one bf16 step
+    # an output that cancels to a millionth of its row keeps the fp32 error of the row's sums
+    row = 2**-16 * want.float().abs().amax(dim=-1, keepdim=True)
+    assert bool(((got.float() - want.float()).abs() <= torch.maximum(step, row)).all())
+    assert float((got != want).float().mean()) <= 0.01
+    assert torch.equal(got[0, 7], want[0, 7])  # no keys: zeros, as the reference gives
+
+
+def test_blocks_over_the_shared_keys_limit_keep_the_reference_bits(monkeypatch, rng):
+    q, kv, sink, idx = _inputs(rng, m=70)
+    want = _attention(monkeypatch, "0", q, kv, sink, idx)
+    monkeypatch.setattr(torch_ops, "SHARED_KEYS_LIMIT", 0)
+    assert torch.equal(_attention(monkeypatch, "1", q, kv, sink, idx), want)
+
+
+def test_distinct_ids_and_places_equal_torch_unique(rng):
+    for n in (1, 7, 300):
+        ids = torch.randint(-1, n, (int(torch.randint(1, 50, (), generator=rng)), 9), generator=rng)
+        distinct, place = torch_ops._distinct(ids, n)
+        want, want_place = torch.unique(ids, return_inverse=True)
+        assert torch.equal(distinct, want) and torch.equal(place, want_place)
