@@ -71,8 +71,8 @@ def _gathered_keys_attention(q, kv, sink, idx, scale: float) -> torch.Tensor:
 SHARED_QUERY_BLOCK = 64  # queries whose keys are multiplied as one table by _shared_keys_attention
 # A block whose queries read more distinct keys than this many times one query's indices goes the
 # gathered way: the shared GEMMs grow with the distinct keys, the gathered products with the indices
-# (measured on `mini`, 1 and 2 threads: the shared way is the faster up to about 7 times).
-SHARED_KEYS_LIMIT = 6
+# (measured on `mini` prefills: the ways break even at about 7 times on 1 thread, 9.5 on 2).
+SHARED_KEYS_LIMIT = 8
 
 
 def _shared_keys_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
@@ -93,7 +93,6 @@ def _shared_keys_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor
         idx = F.pad(idx, (0, -idx.size(-1) % ATTENTION_CHUNK), value=-1)
     k = idx.size(-1)
     chunks = k // ATTENTION_CHUNK
-    floor = numerics.scalar(-1e30)
     out = []
     for s in range(0, m, SHARED_QUERY_BLOCK):
         block = idx[s : s + SHARED_QUERY_BLOCK]
@@ -107,30 +106,40 @@ def _shared_keys_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor
         where = where.unsqueeze(1).expand(n, h, k)
         every = (qf @ keys.t()).view(n, h, -1)
         logits = torch.where((block >= 0).unsqueeze(1), every.gather(2, where), -torch.inf) * scale
-        logits = logits.view(n, h, chunks, ATTENTION_CHUNK)
-        running = torch.cummax(torch.maximum(logits.amax(dim=-1), floor), dim=-1).values  # after each chunk
-        before = torch.cat([floor.expand(n, h, 1), running[..., :-1]], dim=-1)
-        rescale = torch.exp(before - running)
-        probs = torch.exp(logits - running.unsqueeze(-1))
-        sums = probs.sum(dim=-1)
-        denom = torch.zeros(n, h)
-        later = torch.ones(n, h, chunks)  # product of the rescalings after each chunk
-        for c in range(chunks):
-            denom = denom * rescale[..., c] + sums[..., c]
-        for c in range(chunks - 2, -1, -1):
-            later[..., c] = later[..., c + 1] * rescale[..., c + 1]
-        weights = (probs.to(torch.bfloat16).float() * later.unsqueeze(-1)).view(n, h, k)
-        p = torch.zeros(n, h, shared.numel()).scatter_add_(2, where, weights)  # a key read twice counts twice
+        weights, denom, last_max = _online_softmax_weights(logits.view(n, h, chunks, ATTENTION_CHUNK))
+        p = torch.zeros(n, h, shared.numel(), device=q.device)
+        p.scatter_add_(2, where, weights.view(n, h, k))  # a key read twice counts twice
         pv = (p.view(n * h, -1) @ keys).view(n, h, d)
-        denom = denom + torch.exp(sink.float() - running[..., -1])
+        denom = denom + torch.exp(sink.float() - last_max)
         out.append((pv / denom.unsqueeze(-1)).to(torch.bfloat16))
     return torch.cat(out)
+
+
+def _online_softmax_weights(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's online softmax over logits [n, h, chunks, 64] (chunk by chunk: the running
+    maximum, the bf16-rounded probabilities, the denominator rescaled and added to), as each key's
+    weight in the final output: its probability times the rescalings of every later chunk.
+    Returns (weights like logits, the denominator without the sink, the last running maximum)."""
+    n, h, chunks, _ = logits.shape
+    floor = numerics.scalar(-1e30)
+    running = torch.cummax(torch.maximum(logits.amax(dim=-1), floor), dim=-1).values  # after each chunk
+    before = torch.cat([floor.expand(n, h, 1), running[..., :-1]], dim=-1)
+    rescale = torch.exp(before - running)
+    probs = torch.exp(logits - running.unsqueeze(-1))
+    sums = probs.sum(dim=-1)
+    denom = torch.zeros(n, h, device=logits.device)
+    later = torch.ones(n, h, chunks, device=logits.device)  # product of the rescalings after each chunk
+    for c in range(chunks):
+        denom = denom * rescale[..., c] + sums[..., c]
+    for c in range(chunks - 2, -1, -1):
+        later[..., c] = later[..., c + 1] * rescale[..., c + 1]
+    return probs.to(torch.bfloat16).float() * later.unsqueeze(-1), denom, running[..., -1]
 
 
 def _distinct(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.unique(ids, return_inverse=True) for ids in [-1, n): the distinct ids in increasing
     order and each id's place among them, by marking them in a table of n + 1 rows (no sort)."""
-    marked = torch.zeros(n + 1, dtype=torch.bool)
+    marked = torch.zeros(n + 1, dtype=torch.bool, device=ids.device)
     marked[ids.flatten() + 1] = True
     place = marked.cumsum(0) - 1
     return marked.nonzero().squeeze(1) - 1, place[ids + 1]
