@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -160,32 +159,6 @@ def _contract_last(products: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Sum over the last, contiguous dimension: its order depends only on that length, not on how
     many rows there are (a GEMM's does)."""
     return products.contiguous().sum(-1).to(dtype)
-
-
-# Up to this many elements numpy's one reduction call beats a loop of torch adds (one operator per
-# part); above it the loop's adds are faster (measured on [32, M, 1024] fp32 partials).
-_IN_ORDER_BY_NUMPY = 1 << 19
-
-
-def sum_in_order(parts: torch.Tensor) -> torch.Tensor:
-    """parts[0] + parts[1] + ... over the first dimension, in index order from +0, in parts' dtype:
-    what a loop of in-place adds into a zeroed accumulator gives (torch's sum and cumsum pick their
-    own order or accumulate wider). numpy's reduction over a leading axis is that loop, one add of
-    whole rows per part, when that axis is not the innermost one: so it is used (one call instead
-    of one operator per part) for small CPU tensors without autograd whose last dimension is
-    contiguous and at least two wide. One element per part would make numpy sum pairwise."""
-    if (parts.device.type == "cpu" and parts.dtype in (torch.float32, torch.float64) and not parts.requires_grad
-            and parts.dim() >= 2 and parts.size(-1) >= 2 and parts.stride(-1) == 1
-            and parts.numel() <= _IN_ORDER_BY_NUMPY):
-        # numpy starts from parts[0], not +0: they differ only when every part is -0 (then -0, not
-        # +0), which the final + 0 turns into +0 and leaves every other sum as it is
-        total = torch.from_numpy(np.add.reduce(parts.numpy(), axis=0))
-        return total.add_(scalar(0.0, parts.dtype))
-    first, *rest = parts.unbind(0)
-    total = first + scalar(0.0, parts.dtype)  # +0 + first, as a sum from +0 starts (x + 0 == 0 + x, -0 included)
-    for part in rest:
-        total.add_(part)
-    return total
 
 
 def elementwise(fn, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -183,9 +183,14 @@ def _two_rows_at_least(a: torch.Tensor, dim: int) -> torch.Tensor:
 def _add_scaled_blocks(partials: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """partials [K/block, ..., M, N] (one block's products each), a_scale [K/block, ..., M], w_scale
     [K/block, ..., N]: every block's (partial * a_scale) * w_scale at once, then the blocks added in
-    K order from +0 (`numerics.sum_in_order`: a cumsum or sum would accumulate in another order or
+    K order from +0 (a loop of in-place adds: a cumsum or sum would accumulate in another order or
     in double)."""
-    return numerics.sum_in_order(partials.mul_(a_scale.unsqueeze(-1)).mul_(w_scale.unsqueeze(-2)))
+    scaled = partials.mul_(a_scale.unsqueeze(-1)).mul_(w_scale.unsqueeze(-2))
+    first, *rest = scaled.unbind(0)
+    acc = first + numerics.scalar(0.0)  # +0 + first, as a sum from +0 starts (x + 0 == 0 + x, -0 included)
+    for part in rest:
+        acc.add_(part)
+    return acc
 
 
 def quantize_weight_fp8(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
