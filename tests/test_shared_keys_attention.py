@@ -50,6 +50,9 @@ def test_blocks_over_the_shared_keys_limit_keep_the_reference_bits(monkeypatch, 
     want = _attention(monkeypatch, "0", q, kv, sink, idx)
     monkeypatch.setattr(torch_ops, "SHARED_KEYS_LIMIT", 0)
     assert torch.equal(_attention(monkeypatch, "1", q, kv, sink, idx), want)
+    empty = idx[..., :0]  # no index at all: the sink alone, zeros
+    none = _attention(monkeypatch, "0", q, kv, sink, empty)
+    assert torch.equal(_attention(monkeypatch, "1", q, kv, sink, empty), none)
 
 
 def test_distinct_ids_and_places_equal_torch_unique(rng):

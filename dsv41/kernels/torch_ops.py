@@ -32,7 +32,7 @@ def sparse_attention(
     so a sequence's result changed with the sequences beside it.
     """
     kv = kv.float()  # once for the table, not once per query that gathers a row (no copy when fp32)
-    if q.size(1) > 1 and numerics.opt_in("DSV41_FAST_ATTENTION", "prefill attention over shared keys"):
+    if q.size(1) > 1 and idx.size(-1) and numerics.opt_in("DSV41_FAST_ATTENTION", "prefill attention over shared keys"):
         return torch.stack([_shared_keys_attention(q[i], kv[i if kv.size(0) > 1 else 0], sink, idx[i], scale)
                             for i in range(q.size(0))])
     return _gathered_keys_attention(q, kv, sink, idx, scale)
