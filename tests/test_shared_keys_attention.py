@@ -58,6 +58,10 @@ def test_blocks_over_the_shared_keys_limit_keep_the_reference_bits(monkeypatch, 
 def test_distinct_ids_and_places_equal_torch_unique(rng):
     for n in (1, 7, 300):
         ids = torch.randint(-1, n, (int(torch.randint(1, 50, (), generator=rng)), 9), generator=rng)
-        distinct, place = torch_ops._distinct(ids, n)
-        want, want_place = torch.unique(ids, return_inverse=True)
-        assert torch.equal(distinct, want) and torch.equal(place, want_place)
+        distinct, place = torch_ops.distinct_ids(ids, n)
+        used = ids >= 0
+        want, want_place = torch.unique(ids[used], return_inverse=True)
+        assert torch.equal(distinct, want) and torch.equal(place[used], want_place)
+        assert bool((place[~used] == -1).all())
+    distinct, place = torch_ops.distinct_ids(torch.full((2, 3), -1), 5)
+    assert distinct.numel() == 0 and bool((place == -1).all())

@@ -17,7 +17,7 @@ from torch import nn
 from dsv41.config import LayerSpec, Mode, TextConfig
 from dsv41.kernels import dispatch
 from dsv41.kernels.selection import official_topk, tie_at_boundary, ties_at_boundary, topk_entries
-from dsv41.kernels.torch_ops import candidate_entries, pool_mask, sparse_attention
+from dsv41.kernels.torch_ops import candidate_entries, distinct_ids, pool_mask, sparse_attention
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
 from dsv41.model.layers import Linear, RMSNorm, Storage
@@ -801,9 +801,8 @@ class Attention(nn.Module):
 def _compacted(entry_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The distinct entry ids a table [1, s, k] picked, ascending, and the table rewritten as
     positions in them (-1 stays -1). Each row's ids ascend, so each row keeps its order."""
-    picked = entry_idx >= 0
-    ids, inverse = torch.unique(entry_idx[picked], return_inverse=True)
-    return ids, torch.full_like(entry_idx, -1).index_put_((picked,), inverse.to(entry_idx.dtype))
+    ids, places = distinct_ids(entry_idx, int(entry_idx.max()) + 1 if entry_idx.numel() else 0)
+    return ids, places.to(entry_idx.dtype)
 
 
 def _compact(ids: torch.Tensor) -> torch.Tensor:
