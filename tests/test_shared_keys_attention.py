@@ -3,6 +3,7 @@ order of `sparse_attention`: the same online softmax, only the sums in another o
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsv41.kernels import torch_ops
@@ -65,3 +66,9 @@ def test_distinct_ids_and_places_equal_torch_unique(rng):
         assert bool((place[~used] == -1).all())
     distinct, place = torch_ops.distinct_ids(torch.full((2, 3), -1), 5)
     assert distinct.numel() == 0 and bool((place == -1).all())
+
+
+def test_the_switch_takes_0_or_1_only(monkeypatch, rng):
+    q, kv, sink, idx = _inputs(rng, m=10)
+    with pytest.raises(ValueError, match=r"DSV41_FAST_ATTENTION='on': use 0 \(reference numerics\) or 1"):
+        _attention(monkeypatch, "on", q, kv, sink, idx)

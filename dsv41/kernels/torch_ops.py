@@ -139,7 +139,7 @@ def _online_softmax_weights(logits: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def distinct_ids(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For ids in [-1, n) (-1 unused): the distinct used ids in increasing order, and each id's
     place among them (-1 stays -1), as torch.unique(return_inverse=True) would give them, by
-    marking the ids in a table of n rows instead of sorting them (several times faster)."""
+    marking the ids in a table of n + 1 rows instead of sorting them (several times faster)."""
     marked = torch.zeros(n + 1, dtype=torch.bool, device=ids.device)
     marked[ids.flatten() + 1] = True
     marked[0] = False
