@@ -79,14 +79,20 @@ class RoundChooser:
     rounds per sequence of the batch and at most `longest` (so a change of load or of text is
     noticed within that many rounds). A try costs what its batch verifies: at batch 8 a
     speculative round costs nearly two plain ones, so trying it often would cost more than it
-    finds; at batch 1 it costs about a third of a plain round and still emits a token, so a few
-    unlucky first blocks must not shut speculation off for long. Each kind is tried first until it
-    has a rate. A rate is decayed tokens over decayed seconds, so one lucky or unlucky block does
-    not flip the choice."""
+    finds; at batch 1 it costs about a third of a plain round and still emits a token. Each kind
+    is tried first until it has a rate. A rate is decayed tokens over decayed seconds.
 
-    def __init__(self, explore: int = 8, longest: int = 32, decay: float = 0.95):
-        self.explore, self.longest, self.decay = explore, longest, decay
+    A plain round always emits one token per request in about the same time, but a speculative
+    one emits 1 to block + 1, so a few rounds say little about its rate: the speculative rate is
+    compared as rate * (1 + optimism / sqrt(n)) after n speculative rounds at this batch size (an
+    upper confidence bound). A drafter at under half the plain rate still loses after one or two
+    rounds, one at 90 % of it after about 80 (optimism 1), and a few unlucky first blocks no longer
+    shut speculation off for the rest of a request (docs/dspark.md)."""
+
+    def __init__(self, explore: int = 8, longest: int = 32, decay: float = 0.95, optimism: float = 1.0):
+        self.explore, self.longest, self.decay, self.optimism = explore, longest, decay, optimism
         self.sums: dict[tuple[int, bool], tuple[float, float]] = {}  # (tokens, seconds)
+        self.speculated: dict[int, int] = {}  # speculative rounds observed, by batch size
         self.wait: dict[int, int] = {}  # rounds between tries of the worse kind, by batch size
         self.since: dict[int, int] = {}  # rounds since the last try
         self.trying: dict[int, bool] = {}  # the round chosen last was a try
@@ -96,8 +102,15 @@ class RoundChooser:
         got = self.sums.get((batch, speculated))
         return None if got is None else got[0] / max(got[1], 1e-9)
 
+    def hopeful_rate(self, batch: int) -> float | None:
+        """The speculative rate as compared: raised while few speculative rounds were seen."""
+        spec = self.rate(batch, True)
+        if spec is None:
+            return None
+        return spec * (1 + self.optimism / math.sqrt(max(self.speculated.get(batch, 0), 1)))
+
     def speculate(self, batch: int) -> bool:
-        spec, plain = self.rate(batch, True), self.rate(batch, False)
+        spec, plain = self.hopeful_rate(batch), self.rate(batch, False)
         if spec is None or plain is None:
             self.trying[batch] = False
             return spec is None
@@ -112,8 +125,10 @@ class RoundChooser:
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         old_tokens, old_seconds = self.sums.get((batch, speculated), (0.0, 0.0))
         self.sums[(batch, speculated)] = (self.decay * old_tokens + tokens, self.decay * old_seconds + seconds)
+        if speculated:
+            self.speculated[batch] = self.speculated.get(batch, 0) + 1
         if self.trying.get(batch):
-            spec, plain = self.rate(batch, True), self.rate(batch, False)
+            spec, plain = self.hopeful_rate(batch), self.rate(batch, False)
             still_worse = (spec < plain) if speculated else (plain <= spec)
             wait = self.wait.get(batch, self.explore)
             self.wait[batch] = min(2 * wait, self.longest, self.explore * batch) if still_worse else self.explore
