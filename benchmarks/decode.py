@@ -1,4 +1,4 @@
-"""Decode step time on `mini` by context length and layer kind, against bytes moved.
+"""Decode step time by context length and layer kind, against its floor (`mini` by default).
 
 Long caches are built synthetically (random but valid packed entries: prefilling a million tokens
 through the reference-numerics model is out of reach on a CPU), then a few decode steps run over
@@ -7,11 +7,15 @@ every visible entry), Full building the candidate pool (ratio 1), Reindex (score
 Reuse. KV bytes read per step are counted from the plan and compared with this machine's copy
 bandwidth measured in the same run, and its FLOPs (every multiply-add counted, as the CPU path
 computes in fp32; `dsv41.engine.flops`) with the fp32 GEMM rate measured in the same run: the
-larger of the two floors is what a step could take at best on this machine. Then a batch of
-sequences of different lengths steps one token each, as one batch (projections, MoE and the
-attention kernel once over the batch) and one by one.
-Writes benchmarks/results/decode.json.
-Usage: python benchmarks/decode.py [--contexts 4096 16384 65536] [--steps 3] [--batch 4 --batch-context 8192]
+larger of the two floors is what a step could take at best on this machine, and each step is
+printed beside it. The KV the synthetic cache holds is reported as it is stored: packed global
+entries per token, the page pools' reserved bytes, and the SWA rings. Then a batch of sequences
+of different lengths steps one token each, as one batch (projections, MoE and the attention
+kernel once over the batch) and one by one. `--config` takes a built-in name or any
+official-format config.json (random weights).
+Writes benchmarks/results/decode.json (or --out).
+Usage: python benchmarks/decode.py [--config mini] [--contexts 4096 16384 65536] [--steps 3]
+       [--batch 4 --batch-context 8192] [--out PATH]
 """
 
 from __future__ import annotations
@@ -24,14 +28,23 @@ from pathlib import Path
 
 import torch
 
-from dsv41.config import Mode
+from dsv41.checkpoint import load_any_config
+from dsv41.config import BUILTIN_CONFIGS, Mode, ModelConfig, load_config
 from dsv41.engine.core import InferenceCore, Sequence
 from dsv41.engine.flops import decode_token_flops
+from dsv41.kernels.layouts import index_k_format, main_kv_format, swa_format
 from dsv41.model.cache import DecodeCache
 from dsv41.model.pages import PagePools
 from dsv41.model.reference import random_model
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def model_config(name_or_path: str) -> ModelConfig:
+    """A built-in config by name, or a config.json in either official format (nested, or flat inference)."""
+    if name_or_path in BUILTIN_CONFIGS:
+        return load_config(name_or_path)
+    return load_any_config(name_or_path)[0]
 
 
 def kind(spec) -> str:
@@ -58,26 +71,36 @@ def synthetic_cache(model, context: int, steps: int, pools: PagePools | None = N
         n = context // model.plan.layers[layer].ratio
         for store in (group.main_kv, group.index_k):
             store.put_raw(0, random_entries(store.fmt, n, gen))
-    cache.ids[:, :context] = torch.randint(3, 320, (1, context), generator=gen)
+    cache.ids[:, :context] = torch.randint(3, model.config.text_config.vocab_size, (1, context), generator=gen)
     cache.length = context
     return cache
 
 
 def kv_bytes_per_step(model, context: int) -> dict[str, int]:
+    """Cache bytes one decode step reads, by layer kind, in the stored formats of the config."""
     t = model.config.text_config
     pool = t.candidate_topk_blocks * t.candidate_block_size
+    ring = min(context, t.sliding_window) * swa_format(t.head_dim).entry_bytes
+    main, index = main_kv_format(t.head_dim).entry_bytes, index_k_format(t.index_head_dim).entry_bytes
     out: dict[str, int] = {}
     for spec in model.plan.backbone:
-        n = 128 * 528  # the SWA ring
+        n = ring
         if spec.ratio:
             visible = context // spec.ratio
-            n += min(t.index_topk, visible) * 288  # gathered main-KV entries
+            n += min(t.index_topk, visible) * main  # gathered main-KV entries
             if spec.mode is Mode.FULL:
-                n += visible * 68  # every index key
+                n += visible * index  # every index key
             elif spec.mode is Mode.REINDEX:
-                n += min(pool, visible) * 68
+                n += min(pool, visible) * index
         out[kind(spec)] = out.get(kind(spec), 0) + n
     return out
+
+
+def held_kv(cache: DecodeCache) -> dict[str, int]:
+    """What the cache holds: packed global entries, the pages reserved for them, the SWA rings."""
+    pages = sum(store.nbytes for group in cache.groups.values() for store in (group.main_kv, group.index_k))
+    return {"global_entries_bytes": cache.global_kv_bytes_held(), "global_pages_bytes": pages,
+            "swa_ring_bytes": sum(ring.data.numel() * ring.data.element_size() for ring in cache.windows.values())}
 
 
 def time_layers(model, cache: DecodeCache, steps: int) -> dict[str, float]:
@@ -153,13 +176,16 @@ def copy_bandwidth() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="mini",
+                        help="a built-in config name or an official-format config.json (random weights)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4, help="sequences in the batched step (0: skip it)")
     parser.add_argument("--batch-context", type=int, default=8192,
                         help="context of the longest sequence of the batch; the others hold 1/2, 1/4, ...")
+    parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
     args = parser.parse_args()
-    model = random_model("mini", seed=0)
+    model = random_model(model_config(args.config), seed=0)
     bandwidth, rate = copy_bandwidth(), gemm_rate()
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s; fp32 GEMM: {rate / 1e9:.1f} GFLOP/s")
     rows = []
@@ -171,12 +197,19 @@ def main() -> None:
         kv = kv_bytes_per_step(model, context)
         total_s, total_b = sum(times.values()), sum(kv.values())
         flops = decode_token_flops(model.config, context, weighted=False).total
+        floor = max(total_b / bandwidth, flops / rate)
+        held = held_kv(cache)
         rows.append({"context": context, "step_s": total_s, "kv_bytes": total_b, "by_kind_s": times,
                      "by_kind_kv_bytes": kv, "kv_bytes_over_bandwidth_s": total_b / bandwidth, "flops": flops,
-                     "flops_over_gemm_rate_s": flops / rate})
-        print(f"\ncontext {context:,}: step {total_s * 1e3:.0f} ms; KV read {total_b / 2**20:.1f} MiB "
+                     "flops_over_gemm_rate_s": flops / rate, "floor_s": floor, "step_over_floor": total_s / floor,
+                     "held": held, "global_bytes_per_token": held["global_entries_bytes"] / context})
+        print(f"\ncontext {context:,}: step {total_s * 1e3:.0f} ms against a floor of {floor * 1e3:.2f} ms "
+              f"({total_s / floor:.0f}x); KV read {total_b / 2**20:.1f} MiB "
               f"(= {total_b / bandwidth * 1e3:.2f} ms at copy bandwidth); {flops / 1e9:.2f} GFLOP "
               f"(= {flops / rate * 1e3:.2f} ms at the GEMM rate)")
+        print(f"  held: global KV {held['global_entries_bytes'] / context:.0f} B/token packed "
+              f"({held['global_pages_bytes'] / 2**20:.1f} MiB of pages reserved), SWA rings "
+              f"{held['swa_ring_bytes'] / 2**20:.2f} MiB")
         for name, seconds in times.items():
             print(f"  {name:<26} {seconds * 1e3:>9.1f} ms  {kv[name] / 2**20:>9.2f} MiB")
         del cache
@@ -186,10 +219,10 @@ def main() -> None:
         print(f"\n{args.batch} sequences of {batch['contexts']} tokens, one token each: batched "
               f"{batch['batched_s'] * 1e3:.0f} ms, one by one {batch['one_by_one_s'] * 1e3:.0f} ms "
               f"(ratio {batch['batched_s'] / batch['one_by_one_s']:.2f}); {batch['pages_in_use']} pages in use")
-    RESULTS.mkdir(exist_ok=True)
-    summary = {"bandwidth": bandwidth, "gemm_flops_per_s": rate, "rows": rows, "batch": batch}
-    (RESULTS / "decode.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\nwrote {RESULTS / 'decode.json'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"config": args.config, "bandwidth": bandwidth, "gemm_flops_per_s": rate, "rows": rows, "batch": batch}
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
