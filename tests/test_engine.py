@@ -157,9 +157,13 @@ def test_counters_of_scored_entries_and_bytes_held(micro, rng):
     assert scored["full"] == 40 * 20  # one chunk: 40 queries x 20 ratio-2 entries (the causal mask comes after)
     assert scored["full, pool source"] == 8 * 40  # the replayed last W queries over 40 ratio-1 entries
     assert scored["reindex"] <= 8 * t.candidate_topk_blocks * t.candidate_block_size
-    entry = (64 // 2 + 64 // 16) + (32 // 2 + 32 // 32)  # micro: 64-d main KV, 32-d index key
-    assert seq.cache.global_kv_bytes_held() == (40 // 2 + 40) * entry
-    assert seq.cache.swa_bytes_held() == 8 * 8 * (64 + 2)
+    # this cache holds bf16 rows (micro: 64-d main KV, 32-d index key, 64-d ring rows)
+    assert seq.cache.global_kv_bytes_held() == (40 // 2 + 40) * (64 + 32) * 2
+    assert seq.cache.swa_bytes_held() == 8 * 8 * 64 * 2
+    packed, _ = core.prefill(_prompt(rng, 40), "ced", packed=True)  # packed entries: FP4 + scales, FP8 rings
+    entry = (64 // 2 + 64 // 16) + (32 // 2 + 32 // 32)
+    assert packed.cache.global_kv_bytes_held() == (40 // 2 + 40) * entry
+    assert packed.cache.swa_bytes_held() == 8 * 8 * (64 + 2)
 
 
 def test_a_second_request_reuses_the_first_ones_stored_global_kv(micro, rng, tmp_path):

@@ -72,6 +72,25 @@ def test_packed_cache_holds_the_plan_bytes():
     assert sum(w.nbytes for w in cache.windows.values()) == 40 * 128 * 528
 
 
+def test_an_unpacked_cache_reports_the_bf16_bytes_it_holds():
+    """The reference path's bf16 caches are not 890 B a token: what a cache reports holding is
+    what its pages and rings take, packed or not."""
+    from dsv41.model.cache import DecodeCache
+
+    config = load_config("mini")
+    held = {}
+    for packed in (True, False):
+        cache = DecodeCache.allocate(config, batch=1, capacity=1024, packed=packed)
+        cache.reserve(1024)  # entries of 1024 positions fill whole pages in every group
+        cache.length = 1024
+        pages = sum(g.main_kv.nbytes + g.index_k.nbytes for g in cache.groups.values())
+        assert cache.global_kv_bytes_held() == pages
+        assert cache.swa_bytes_held() == sum(w.nbytes for w in cache.windows.values())
+        held[packed] = cache.global_kv_bytes_held() / 1024
+    assert held[True] == 890
+    assert held[False] == 3200  # bf16 main KV rows of 512 and index keys of 128, at ratios 1 and 2
+
+
 @pytest.mark.parametrize("fmt", [main_kv_format(64), index_k_format(64), swa_format(64)], ids=lambda f: f.name)
 def test_unpacking_to_bf16_equals_rounding_the_fp32_values(fmt):
     """Rows decode in bf16 directly; every code byte with every scale code (subnormal, NaN) gives

@@ -118,12 +118,14 @@ class DecodeCache:
             group.index_k.keep(length // _ratio(group))
 
     def global_kv_bytes_held(self) -> int:
-        """Bytes of global KV (packed sizes) the sequence holds: complete entries of every group."""
-        return sum((self.length // _ratio(g)) * (g.main_kv.fmt.entry_bytes + g.index_k.fmt.entry_bytes)
+        """Bytes of global KV the sequence holds as stored: complete entries of every group, packed
+        (890 B a token on `mini`) or as the bf16 rows of an unpacked cache (several times that)."""
+        return sum((self.length // _ratio(g)) * sum(_stored_bytes(s.pool.storage) for s in (g.main_kv, g.index_k))
                    for g in self.groups.values())
 
     def swa_bytes_held(self) -> int:
-        return sum(min(self.length, w.data.size(1)) * w.fmt.entry_bytes for w in self.windows.values())
+        """Bytes of the SWA rings' filled slots, as stored (FP8 entries, or bf16 rows unpacked)."""
+        return sum(min(self.length, w.data.size(1)) * _stored_bytes(w.data) for w in self.windows.values())
 
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, capacity: int, official_decode_slots: bool = False,
@@ -164,6 +166,11 @@ class CacheCheckpoint:
     index_k_slot: int | None
     rings: dict[int, torch.Tensor]
     states: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _stored_bytes(rows: torch.Tensor) -> int:
+    """Bytes of one stored entry of a store whose rows are [..., entries, width]."""
+    return rows.size(-1) * rows.element_size()
 
 
 def checkpoint(cache: DecodeCache) -> CacheCheckpoint:
