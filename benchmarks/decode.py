@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from dsv41.checkpoint import load_any_config
-from dsv41.config import BUILTIN_CONFIGS, Mode, ModelConfig, load_config
+from dsv41.checkpoint import load_named_config
+from dsv41.config import Mode
 from dsv41.engine.core import InferenceCore, Sequence
 from dsv41.engine.flops import decode_token_flops
 from dsv41.kernels.layouts import index_k_format, main_kv_format, swa_format
@@ -38,13 +38,6 @@ from dsv41.model.pages import PagePools
 from dsv41.model.reference import random_model
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def model_config(name_or_path: str) -> ModelConfig:
-    """A built-in config by name, or a config.json in either official format (nested, or flat inference)."""
-    if name_or_path in BUILTIN_CONFIGS:
-        return load_config(name_or_path)
-    return load_any_config(name_or_path)[0]
 
 
 def kind(spec) -> str:
@@ -100,7 +93,7 @@ def held_kv(cache: DecodeCache) -> dict[str, int]:
     """What the cache holds: packed global entries, the pages reserved for them, the SWA rings."""
     pages = sum(store.nbytes for group in cache.groups.values() for store in (group.main_kv, group.index_k))
     return {"global_entries_bytes": cache.global_kv_bytes_held(), "global_pages_bytes": pages,
-            "swa_ring_bytes": sum(ring.data.numel() * ring.data.element_size() for ring in cache.windows.values())}
+            "swa_ring_bytes": sum(ring.nbytes for ring in cache.windows.values())}
 
 
 def time_layers(model, cache: DecodeCache, steps: int) -> dict[str, float]:
@@ -185,7 +178,7 @@ def main() -> None:
                         help="context of the longest sequence of the batch; the others hold 1/2, 1/4, ...")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
     args = parser.parse_args()
-    model = random_model(model_config(args.config), seed=0)
+    model = random_model(load_named_config(args.config), seed=0)
     bandwidth, rate = copy_bandwidth(), gemm_rate()
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s; fp32 GEMM: {rate / 1e9:.1f} GFLOP/s")
     rows = []

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.decode import gemm_rate, model_config  # noqa: E402
+from benchmarks.decode import gemm_rate  # noqa: E402
+from dsv41.checkpoint import load_named_config  # noqa: E402
 from dsv41.engine.core import InferenceCore  # noqa: E402
 from dsv41.engine.flops import decode_token_flops  # noqa: E402
 from dsv41.model.reference import random_model  # noqa: E402
@@ -81,7 +82,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "prefill.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = random_model(model_config(args.config), seed=0)
+    model = random_model(load_named_config(args.config), seed=0)
     core = InferenceCore(model, chunk_size=args.chunk)
     window, vocab = model.config.text_config.sliding_window, model.config.text_config.vocab_size
     encoder_share = len(core.encoder) / (len(core.encoder) + len(core.decoder))

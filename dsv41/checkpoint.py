@@ -21,7 +21,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from dsv41.config import CONFIG_DIR, ConfigError, ModelConfig, config_from_dict, config_to_dict
+from dsv41.config import (
+    BUILTIN_CONFIGS,
+    CONFIG_DIR,
+    ConfigError,
+    ModelConfig,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+)
 
 if TYPE_CHECKING:
     from dsv41.model.transformer import Transformer
@@ -140,6 +148,18 @@ def load_any_config(path: str | Path) -> tuple[ModelConfig, RuntimeArgs]:
     if isinstance(data, dict) and "text_config" not in data and "dim" in data:
         return config_from_inference(data, str(path))
     return config_from_dict(data, str(path)), RuntimeArgs()
+
+
+def load_named_config(name_or_path: str | Path) -> ModelConfig:
+    """A built-in config by name, or a config.json in either official format; a name that is
+    neither gets `load_config`'s error (which lists the built-in names)."""
+    path = Path(name_or_path).expanduser()
+    if str(name_or_path) in BUILTIN_CONFIGS or not path.is_file():
+        return load_config(name_or_path)
+    try:
+        return load_any_config(path)[0]
+    except json.JSONDecodeError as exc:
+        raise ConfigError(str(path), [f"not valid JSON: {exc}"]) from None
 
 
 class CheckpointError(ValueError):

@@ -71,3 +71,24 @@ def test_flops_grow_only_through_the_indexers():
     result = CliRunner().invoke(cli, ["flops", "--context", "4096,1048576"])
     assert result.exit_code == 0 and "+31.5%" in result.stdout and "about +1/4" in result.stdout
     assert CliRunner().invoke(cli, ["flops", "--context", "4k"]).exit_code == 2
+
+
+def test_config_options_take_the_flat_inference_format_and_refuse_bad_files_readably(tmp_path):
+    """--config takes a built-in name or a config.json in either official format (the nested one or
+    the flat inference one): both forms of micro describe the same model."""
+    import json
+
+    from dsv41.checkpoint import inference_from_config
+    from dsv41.config import load_config
+
+    flat = tmp_path / "inference_config.json"
+    flat.write_text(json.dumps(inference_from_config(load_config("micro"))))
+    by_name = CliRunner().invoke(cli, ["info", "--config", "micro"])
+    by_file = CliRunner().invoke(cli, ["info", "--config", str(flat)])
+    assert by_name.exit_code == 0 and by_file.exit_code == 0, by_file.output
+    assert by_file.output == by_name.output
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    for path, says in ((broken, "not valid JSON"), (tmp_path / "absent.json", "no such file")):
+        result = CliRunner().invoke(cli, ["info", "--config", str(path)])
+        assert result.exit_code == 1 and says in result.output and "Traceback" not in result.output, result.output

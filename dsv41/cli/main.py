@@ -11,15 +11,17 @@ from dsv41.cli.kv import kv
 from dsv41.cli.model import convert, generator, model_config, model_option
 from dsv41.cli.pipeline import COMMANDS, TEMPERATURE, TOP_P, checked_text
 from dsv41.cli.train import train
-from dsv41.config import BUILTIN_CONFIGS, ConfigError, ModelConfig, load_config
+from dsv41.config import BUILTIN_CONFIGS, ConfigError, ModelConfig
 
 CONFIG_HELP = f"Built-in config name ({', '.join(BUILTIN_CONFIGS)}) or path to a config.json."
 MODEL_HELP = "A model directory (config.json, weights, optional tokenizer.json), instead of --config."
 
 
 def _load(name: str) -> ModelConfig:
+    from dsv41.checkpoint import load_named_config  # (torch: imported only by commands that load a config)
+
     try:
-        return load_config(name)
+        return load_named_config(name)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
 

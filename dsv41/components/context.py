@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from dsv41 import messages as m
 from dsv41.components.limits import pipeline_limits
 from dsv41.components.runtime import Peer
-from dsv41.config import ModelConfig, load_config
+from dsv41.config import ModelConfig
 from dsv41.model.transformer import Transformer
 from dsv41.pipelines.schema import Pipeline
 
@@ -55,16 +55,11 @@ class ComponentContext:
 
     @cached_property
     def config(self) -> ModelConfig:
-        spec = self.pipeline.model
+        from dsv41.checkpoint import load_any_config, load_named_config
+
         if self.checkpoint_dir is not None:
-            from dsv41.checkpoint import load_any_config
-
             return load_any_config(self.checkpoint_dir / "config.json")[0]
-        if spec.config.endswith(".json"):
-            from dsv41.checkpoint import load_any_config
-
-            return load_any_config(Path(spec.config).expanduser())[0]
-        return load_config(spec.config)
+        return load_named_config(self.pipeline.model.config)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
