@@ -166,6 +166,62 @@ def test_sparse_attention_does_not_depend_on_unused_slots_past_a_rows_last_index
             assert torch.equal(_bits(got), _bits(alone)), (width, extra)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sparse_attention_gives_the_chunk_by_chunk_bits(rng, threads):
+    """Small passes (a decode step's) take every chunk of 64 keys at once (_chunks_at_once) where this
+    machine's GEMMs allow it; the result must be the reference walk's bits, chunk after chunk: with
+    unused slots, whole unused chunks, batches of sequences and queries, any width."""
+    from dsv41.kernels import torch_ops
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for trial in range(60):
+            b, m = int(torch.randint(1, 9, (), generator=rng)), int(torch.randint(1, 3, (), generator=rng))
+            h, d = [(4, 512), (8, 64), (16, 128)][trial % 3]
+            width = int(torch.randint(1, 640, (), generator=rng))
+            q = (torch.randn(b, m, h, d, generator=rng) * float(torch.rand((), generator=rng) * 4)).bfloat16()
+            kv = torch.randn(b, 700, d, generator=rng).bfloat16()
+            idx = torch.randint(-1, 700, (b, m, width), generator=rng).int()
+            if trial % 4 == 0:
+                idx[..., :64] = -1
+            sink = torch.randn(h, generator=rng)
+            padded = torch.nn.functional.pad(idx, (0, -width % 64), value=-1)
+            want = torch_ops._chunk_by_chunk(q, kv.float(), sink, padded, d**-0.5)
+            assert torch.equal(_bits(torch_ops.sparse_attention(q, kv, sink, idx, d**-0.5)), _bits(want)), trial
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_chunks_are_taken_at_once_only_where_the_batched_products_keep_each_chunks_bits(monkeypatch):
+    """The check behind _chunks_at_once compares fp32 products, which a bf16 output would mostly
+    hide: products made chunk by chunk pass it, and the same products one ulp off in one chunk
+    count fail it (so sparse_attention takes the reference walk)."""
+    from dsv41.kernels import torch_ops
+
+    def dots_by_chunk(qf, keys):
+        n, h, d = qf.shape
+        flat = keys.view(n, -1, torch_ops.ATTENTION_CHUNK, d)
+        return torch.stack([numerics.einsum("bmhd,bmkd->bmhk", qf[:, None], flat[:, None, c])[:, 0]
+                            for c in range(flat.size(1))], dim=1)
+
+    def pv_by_chunk(probs, keys):
+        n, chunks, h, k = probs.shape
+        flat = keys.view(n, chunks, k, -1)
+        return torch.stack([numerics.einsum("bmhk,bmkd->bmhd", probs[:, None, c], flat[:, None, c])[:, 0]
+                            for c in range(chunks)], dim=1)
+
+    def pv_off_at_three_chunks(probs, keys):
+        out = pv_by_chunk(probs, keys)
+        return torch.nextafter(out, torch.full_like(out, torch.inf)) if probs.size(1) == 3 else out
+
+    monkeypatch.setattr(torch_ops, "_chunk_dots", dots_by_chunk)
+    monkeypatch.setattr(torch_ops, "_chunk_pv", pv_by_chunk)
+    assert torch_ops._chunks_at_once_keep_bits.__wrapped__(4, 64, 1)
+    monkeypatch.setattr(torch_ops, "_chunk_pv", pv_off_at_three_chunks)
+    assert not torch_ops._chunks_at_once_keep_bits.__wrapped__(4, 64, 1)
+
+
 def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(rng):
     """Batched == alone at the bottom: FP8 rows (what the quantized linears take) multiplied one at
     a time and as a batch of 2..9. On MKL with AVX-512/AMX a one-row product used to take the

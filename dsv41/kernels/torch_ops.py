@@ -3,6 +3,8 @@ CPU they reproduce the fake-quantized reference bit for bit."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,15 @@ def _gathered_keys_attention(q, kv, sink, idx, scale: float) -> torch.Tensor:
                           for s in range(0, m, block)], dim=1)
     if idx.size(-1) % ATTENTION_CHUNK:  # whole chunks: a sum over a short last chunk has other bits
         idx = F.pad(idx, (0, -idx.size(-1) % ATTENTION_CHUNK), value=-1)
+    if (not numerics.is_stable() and 0 < b * m * idx.size(-1) * h <= CHUNKS_AT_ONCE_LIMIT
+            and _chunks_at_once_keep_bits(h, d, torch.get_num_threads())):
+        return _chunks_at_once(q, kv, sink, idx, scale)
+    return _chunk_by_chunk(q, kv, sink, idx, scale)
+
+
+def _chunk_by_chunk(q, kv, sink, idx, scale: float) -> torch.Tensor:
+    """The reference kernel's walk: one chunk of 64 indices after another (idx in whole chunks)."""
+    b, m, h, d = q.shape
     qf = q.float()
     out = torch.zeros(b, m, h, d, dtype=torch.float32)
     denom = torch.zeros(b, m, h, dtype=torch.float32)
@@ -66,6 +77,79 @@ def _gathered_keys_attention(q, kv, sink, idx, scale: float) -> torch.Tensor:
         out = out * rescale.unsqueeze(-1) + pv
     denom = denom + numerics.elementwise(torch.exp, sink.float() - running_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
+
+
+# Logits of a pass that _chunks_at_once handles: below torch's grain size (32768) an elementwise op
+# runs on one thread, so no thread's share starts inside a chunk and changes which elements take
+# vector code (the bits of exp can depend on it).
+CHUNKS_AT_ONCE_LIMIT = 32768
+
+
+def _chunks_at_once(q, kv, sink, idx, scale: float) -> torch.Tensor:
+    """`_chunk_by_chunk` with the same bits in a fixed number of operator calls: every chunk's
+    products in one batched GEMM (each chunk one matrix of it, the shape it has alone), the running
+    maxima as a cumulative maximum, each chunk's exponentials as a run of its own
+    (`numerics.elementwise_runs`); only the rescaled sums stay a loop over the chunks, a few
+    small calls each. A decode step's attention was 20 calls per chunk of 64 keys."""
+    b, m, h, d = q.shape
+    n, chunks = b * m, idx.size(-1) // ATTENTION_CHUNK
+    keys = gather_rows(kv, idx.flatten(1)).view(n * chunks, ATTENTION_CHUNK, d)
+    dots = _chunk_dots(q.float().reshape(n, h, d), keys)
+    valid = (idx != -1).view(n, chunks, 1, ATTENTION_CHUNK)
+    logits = (torch.where(valid, dots, -torch.inf) * scale).transpose(0, 1).contiguous()  # [chunks, n, h, 64]
+    floor = numerics.scalar(-1e30)
+    running = torch.cummax(torch.maximum(logits.amax(dim=-1), floor), dim=0).values  # after each chunk
+    before = torch.cat([floor.expand(1, n, h), running[:-1]])
+    rescale = numerics.elementwise_runs(torch.exp, before - running, n * h)
+    probs = numerics.elementwise_runs(torch.exp, logits - running.unsqueeze(-1), n * h * ATTENTION_CHUNK)
+    sums = numerics.wide(probs).sum(dim=-1).float()
+    pv = _chunk_pv(probs.to(torch.bfloat16).float().transpose(0, 1), keys)
+    out = torch.zeros(n, h, d, dtype=torch.float32)
+    denom = torch.zeros(n, h, dtype=torch.float32)
+    for c in range(chunks):
+        denom = denom * rescale[c] + sums[c]
+        out = out * rescale[c].unsqueeze(-1) + pv[:, c]
+    denom = denom + numerics.elementwise(torch.exp, sink.float() - running[-1])
+    return (out / denom.unsqueeze(-1)).to(torch.bfloat16).view(b, m, h, d)
+
+
+def _chunk_dots(qf: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """qf [n, h, d] . keys [n * chunks, 64, d] -> [n, chunks, h, 64], one matrix per chunk."""
+    n, h, d = qf.shape
+    chunks = keys.size(0) // n
+    return torch.bmm(qf.unsqueeze(1).expand(n, chunks, h, d).reshape(-1, h, d), keys.transpose(1, 2)).view(
+        n, chunks, h, -1)
+
+
+def _chunk_pv(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """probs [n, chunks, h, 64] @ keys [n * chunks, 64, d] -> [n, chunks, h, d], one matrix per chunk."""
+    n, chunks, h, k = probs.shape
+    return torch.bmm(probs.reshape(n * chunks, h, k), keys).view(n, chunks, h, -1)
+
+
+@functools.cache
+def _chunks_at_once_keep_bits(h: int, d: int, threads: int) -> bool:
+    """Whether `_chunks_at_once` gives `_chunk_by_chunk`'s bits on this machine: its two batched
+    GEMMs must give every chunk the fp32 bits of that chunk's own product, at every batch size it
+    runs (each chunk is a matrix of the shape it has alone, but how a batched GEMM is split over
+    threads is the BLAS's choice: MKL restricted to AVX2 on 2 threads sums some otherwise).
+    Checked once per shape on random values; the bf16 output would hide most last-bit differences."""
+    generator = torch.Generator().manual_seed(0)
+    most = CHUNKS_AT_ONCE_LIMIT // (h * ATTENTION_CHUNK)  # matrices in the largest batched GEMM
+    with torch.inference_mode():
+        for n in sorted({1, 2, max(1, most // 10)}):
+            for chunks in range(1, min(most // n, 12) + 1):
+                q = torch.randn(n, 1, h, d, generator=generator).bfloat16().float()
+                keys = torch.randn(n, 1, chunks, ATTENTION_CHUNK, d, generator=generator)
+                probs = torch.rand(n, 1, chunks, h, ATTENTION_CHUNK, generator=generator).bfloat16().float()
+                flat = keys.view(n * chunks, ATTENTION_CHUNK, d)
+                for c in range(chunks):
+                    alone_dots = numerics.einsum("bmhd,bmkd->bmhk", q, keys[:, :, c])[:, 0]
+                    alone_pv = numerics.einsum("bmhk,bmkd->bmhd", probs[:, :, c], keys[:, :, c])[:, 0]
+                    if not (torch.equal(_chunk_dots(q[:, 0], flat)[:, c], alone_dots)
+                            and torch.equal(_chunk_pv(probs[:, 0], flat)[:, c], alone_pv)):
+                        return False
+    return True
 
 
 SHARED_QUERY_BLOCK = 64  # queries whose keys are multiplied as one table by _shared_keys_attention
@@ -205,8 +289,10 @@ def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float) -> t
     """q [b, h, d] bf16; ring [b, W, swa bytes] with slots [b, W] (-1 unused); main [b, n, main bytes]
     with topk [b, k] entry ids (-1 unused); sink [h] fp32 -> out [b, h, d] bf16."""
     d = q.size(-1)
-    window = unpack_rows(ring, swa_format(d))
-    entries = unpack_rows(gather_rows(main, topk), main_kv_format(d))
+    # unpacked straight to fp32, what sparse_attention computes in: a code times its scale is exact
+    # in bf16 and fp32 alike, so this skips rounding to bf16 and converting back (same values)
+    window = unpack_rows(ring, swa_format(d), torch.float32)
+    entries = unpack_rows(gather_rows(main, topk), main_kv_format(d), torch.float32)
     kv = torch.cat([window, entries], dim=1)
     local = torch.arange(topk.size(1), device=q.device) + ring.size(1)
     idx = torch.cat([slots.int(), torch.where(topk >= 0, local, -1).int()], dim=1)
