@@ -232,3 +232,45 @@ def test_grouped_block_scaled_matmul_is_each_groups_block_scaled_matmul(rng):
     for g in range(3):
         want = quant.block_scaled_matmul(a[g], a_scale[g], w[g], w_scale[g])
         assert torch.equal(got[g].view(torch.int32), want.view(torch.int32))
+
+
+def _random_linear(n_in: int, n_out: int, storage: Storage, rng: torch.Generator) -> Linear:
+    layer = Linear(n_in, n_out, storage)
+    if storage is Storage.FP8:
+        values, scale = quant.quantize_weight_fp8(torch.randn(n_out, n_in, generator=rng))
+        layer.weight.data, layer.scale.data = values, scale
+    else:
+        layer.weight.data = torch.randint(-128, 128, layer.weight.shape, generator=rng, dtype=torch.int8)
+        layer.scale.data = torch.randint(120, 128, layer.scale.shape, generator=rng,
+                                         dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return layer
+
+
+@pytest.mark.parametrize("storage", [Storage.FP8, Storage.FP4])
+def test_linears_beside_give_each_linear_its_own_bits_and_hold_the_weights_once(rng, storage, monkeypatch):
+    """LinearsBeside multiplies linears that share an input as one GEMM (at decode sizes, where the
+    per-shape check allows it): every output must be the bits of that linear alone, at row counts
+    inside and past SIDE_BY_SIDE_ROWS, the side-by-side path taken or not; the linears' own caches
+    become views of the joined weights."""
+    from dsv41.model import layers
+
+    first, second = _random_linear(96, 64, storage, rng), _random_linear(96, 160, storage, rng)
+    beside = layers.LinearsBeside(first, second)
+    for rows in (1, 3, layers.SIDE_BY_SIDE_ROWS, layers.SIDE_BY_SIDE_ROWS + 1):
+        x = (torch.randn(1, rows, 96, generator=rng) * 4).bfloat16()
+        with torch.inference_mode():
+            got = beside(x)
+            assert [tuple(y.shape) for y in got] == [(1, rows, 64), (1, rows, 160)]
+            assert torch.equal(got[0], first(x)) and torch.equal(got[1], second(x))
+    values, _ = beside.joined()
+    assert first.dequantized()[0].data_ptr() == values.data_ptr()
+    assert second.dequantized()[0].untyped_storage().data_ptr() == values.untyped_storage().data_ptr()
+    monkeypatch.setattr(layers, "_beside_keeps_bits", lambda *shape: False)  # a machine whose GEMM would not
+    x = torch.randn(2, 96, generator=rng).bfloat16()
+    with torch.inference_mode():
+        assert [torch.equal(y, linear(x)) for y, linear in zip(beside(x), (first, second), strict=True)] == [True, True]
+    replaced = _random_linear(96, 64, storage, rng)
+    first.weight.data, first.scale.data = replaced.weight.data, replaced.scale.data  # new weights: joined anew
+    monkeypatch.undo()
+    with torch.inference_mode():
+        assert torch.equal(beside(x)[0], replaced(x))

@@ -139,9 +139,10 @@ def _chunks_at_once_keep_bits(h: int, d: int, threads: int) -> bool:
     with torch.inference_mode():
         for n in sorted({1, 2, max(1, most // 10)}):
             for chunks in range(1, min(most // n, 12) + 1):
-                q = torch.randn(n, 1, h, d, generator=generator).bfloat16().float()
-                keys = torch.randn(n, 1, chunks, ATTENTION_CHUNK, d, generator=generator)
-                probs = torch.rand(n, 1, chunks, h, ATTENTION_CHUNK, generator=generator).bfloat16().float()
+                q = torch.randn(n, 1, h, d, generator=generator, dtype=torch.float32).bfloat16().float()
+                keys = torch.randn(n, 1, chunks, ATTENTION_CHUNK, d, generator=generator, dtype=torch.float32)
+                probs = torch.rand(n, 1, chunks, h, ATTENTION_CHUNK, generator=generator, dtype=torch.float32)
+                probs = probs.bfloat16().float()
                 flat = keys.view(n * chunks, ATTENTION_CHUNK, d)
                 for c in range(chunks):
                     alone_dots = numerics.einsum("bmhd,bmkd->bmhk", q, keys[:, :, c])[:, 0]

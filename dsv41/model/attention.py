@@ -20,7 +20,7 @@ from dsv41.kernels.selection import official_topk, tie_at_boundary, ties_at_boun
 from dsv41.kernels.torch_ops import candidate_entries, distinct_ids, pool_mask, sparse_attention
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
-from dsv41.model.layers import Linear, RMSNorm, Storage
+from dsv41.model.layers import Linear, LinearsBeside, RMSNorm, Storage
 from dsv41.model.pages import PagedEntries
 from dsv41.model.quant import fp8_qdq, main_kv_qdq, mxfp4_qdq
 from dsv41.model.rope import rotate
@@ -253,6 +253,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(t.q_lora_rank, eps, device)
         self.wq_b = Linear(t.q_lora_rank, self.n_heads * self.head_dim, Storage.FP8, device)
         self.wkv = Linear(t.hidden_size, self.head_dim, Storage.FP8, device)
+        self.q_and_kv = LinearsBeside(self.wq_a, self.wkv)
         self.kv_norm = RMSNorm(self.head_dim, eps, device)
         group_in = self.n_heads * self.head_dim // self.n_groups
         self.wo_a = Linear(group_in, self.n_groups * self.o_rank, Storage.BF16, device)
@@ -274,9 +275,10 @@ class Attention(nn.Module):
                                                                                        strict=True)])]
         else:
             rows = table[shared.start : shared.start + s]
-        qr = self.q_norm(self.wq_a(x))
+        q_low, kv = self.q_and_kv(x)
+        qr = self.q_norm(q_low)
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
-        kv = rotate(self.kv_norm(self.wkv(x)), rows)
+        kv = rotate(self.kv_norm(kv), rows)
         if isinstance(shared, SharedBatch) and shared.one_decode_token_each:
             o = self._decode_packed(x, qr, q[0], kv, table, shared.parts).unsqueeze(0)
         elif isinstance(shared, SharedBatch) and self.training:

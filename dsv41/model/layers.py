@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from enum import StrEnum
 
 import torch
@@ -93,6 +94,65 @@ class Linear(nn.Module):
             y = block_scaled_matmul(q, q_scale, values, scale, BLOCK)
         return y.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
 
+
+
+SIDE_BY_SIDE_ROWS = 64  # up to this many rows (decode steps) linears sharing an input multiply as one GEMM
+
+
+class LinearsBeside:
+    """Linears that take the same input (an expert's w1 and w3, attention's wq_a and wkv), each
+    output as its own `Linear.forward` gives it. The input is quantized once; at decode sizes the
+    block-scaled GEMMs of quantized weights run as one over the weights side by side (a GEMM of
+    one or a few rows costs about its fixed overhead), where this machine's GEMM gives every column
+    the bits it gets in its own linear's GEMM (`_beside_keeps_bits`, checked once per shape). The
+    side-by-side weights are the linears' own cached values: each linear's cache becomes a view of
+    them, so nothing is held twice."""
+
+    def __init__(self, *linears: Linear):
+        self.linears = linears
+        self._joined: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> list[torch.Tensor]:
+        if any(linear.scale is None for linear in self.linears):
+            return [linear(x) for linear in self.linears]
+        quantized = quantized if quantized is not None else quantize_rows(x)
+        widths = [linear.out_features for linear in self.linears]
+        rows = quantized[0].size(0)
+        if (rows > SIDE_BY_SIDE_ROWS or numerics.is_stable() or torch.is_grad_enabled()
+                or numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
+                or not _beside_keeps_bits(quantized[0].size(1), tuple(widths), rows, torch.get_num_threads())):
+            return [linear(x, quantized) for linear in self.linears]
+        values, scale = self.joined()
+        y = block_scaled_matmul(*quantized, values, scale, BLOCK).to(torch.bfloat16)
+        return [part.reshape(*x.shape[:-1], part.size(-1)) for part in y.split(widths, dim=-1)]
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every linear's weight values [sum of out, in] and per-row scales, side by side."""
+        key = tuple(linear.version() for linear in self.linears)
+        if self._joined is None or self._joined[0] != key:
+            parts = [linear.dequantized() for linear in self.linears]
+            values, scale = torch.cat([v for v, _ in parts]), torch.cat([s for _, s in parts])
+            widths = [linear.out_features for linear in self.linears]
+            for linear, v, s in zip(self.linears, values.split(widths), scale.split(widths), strict=True):
+                linear._dequant = (linear.version(), v, s)
+            self._joined = (key, values, scale)
+        return self._joined[1], self._joined[2]
+
+
+@functools.cache
+def _beside_keeps_bits(k: int, widths: tuple[int, ...], rows: int, threads: int) -> bool:
+    """Whether block_scaled_matmul over weights side by side gives each column the bits of its own
+    weight's product, for rows x k inputs on this machine (the BLAS picks kernels by shape, so
+    random FP8 values at the shape decide it)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, k, generator=generator, dtype=torch.float32)
+    weights = [torch.randn(n, k, generator=generator, dtype=torch.float32) for n in widths]
+    a_values, a_scale = quantize_rows(a)
+    quantized = [quantize_rows(w) for w in weights]
+    alone = [block_scaled_matmul(a_values, a_scale, v, s, BLOCK) for v, s in quantized]
+    together = block_scaled_matmul(a_values, a_scale, torch.cat([v for v, _ in quantized]),
+                                   torch.cat([s for _, s in quantized]), BLOCK)
+    return torch.equal(together, torch.cat(alone, dim=-1))
 
 
 def quantize_rows(x: torch.Tensor) -> QuantizedRows:

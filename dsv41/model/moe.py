@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.model import numerics
-from dsv41.model.layers import BLOCK, Linear, QuantizedRows, Storage, quantize_rows
+from dsv41.model.layers import BLOCK, Linear, LinearsBeside, QuantizedRows, Storage, quantize_rows
 from dsv41.model.quant import block_major, grouped_block_scaled_matmul
 
 # A step of at most this many tokens runs its routed experts as one grouped GEMM per projection
@@ -79,6 +79,7 @@ class Expert(nn.Module):
         self.w1 = Linear(dim, inter, storage, device)
         self.w2 = Linear(inter, dim, storage, device)
         self.w3 = Linear(dim, inter, storage, device)
+        self.gate_up = LinearsBeside(self.w1, self.w3)
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None,
@@ -87,7 +88,7 @@ class Expert(nn.Module):
         every expert)."""
         if quantized is None and self.w1.scale is not None:  # (fp32 masters in training have no scale)
             quantized = quantize_rows(x)
-        hidden = self.activate(self.w1(x, quantized), self.w3(x, quantized), weights)
+        hidden = self.activate(*self.gate_up(x, quantized), weights)
         return self.w2(hidden.to(x.dtype))
 
     def activate(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
