@@ -45,3 +45,35 @@ def test_a_cache_refuses_positions_beyond_its_capacity_and_loses_nothing(micro):
         with pytest.raises(ValueError, match="exceed the limit of 4 tokens"):
             micro(torch.tensor([[9]]), cache=cache)
     assert cache.length == 4
+
+
+def test_layers_reading_the_same_top_k_entries_dequantize_them_once_per_step(micro, rng, monkeypatch):
+    """A decode step unpacks each (KV owner, Top-k producer) pair's entries once and the other layers
+    of the pair take that table: one table per pair, and the logits are the bits of every layer
+    unpacking its own."""
+    from dsv41.kernels import torch_ops
+
+    unpack = torch_ops.sparse_attention_decode
+    seen: list[dict] = []
+
+    def own_tables(q, ring, slots, main, topk, sink, scale, tables=None, key=None):
+        return unpack(q, ring, slots, main, topk, sink, scale)
+
+    def watched(q, ring, slots, main, topk, sink, scale, tables=None, key=None):
+        seen.append(tables)
+        return unpack(q, ring, slots, main, topk, sink, scale, tables, key)
+
+    prompt = torch.randint(3, 320, (1, 40), generator=rng)
+    token = torch.randint(3, 320, (1, 1), generator=rng)
+    logits = []
+    for fn in (own_tables, watched):
+        monkeypatch.setattr(torch_ops, "sparse_attention_decode", fn)
+        cache = DecodeCache.allocate(micro.config, 1, 48, packed=True)
+        with torch.inference_mode():
+            micro(prompt, cache=cache)
+            logits.append(micro(token, cache=cache).logits)
+    assert torch.equal(logits[0], logits[1])
+    # (None, None): the SWA-only layers
+    pairs = {(layer.attn.spec.kv_owner, layer.attn.spec.topk_producer) for layer in micro.layers}
+    assert len(seen) == len(micro.layers) > len(pairs)
+    assert all(t is seen[0] for t in seen) and set(seen[0]) == pairs

@@ -29,8 +29,15 @@ def pack_rows(x, fmt):
     return _backend(x).pack_rows(x, fmt)
 
 
-def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float):
-    return _backend(q).sparse_attention_decode(q, ring, slots, main, topk, sink, scale)
+def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float, tables: dict | None = None,
+                            key: object = None):
+    """`tables`: where, within one step, layers that read the same Top-k entries of the same pool
+    (keyed by `key`) leave and find them dequantized; the Triton kernel dequantizes as it reads and
+    takes no table."""
+    backend = _backend(q)
+    if backend is torch_ops:
+        return torch_ops.sparse_attention_decode(q, ring, slots, main, topk, sink, scale, tables, key)
+    return backend.sparse_attention_decode(q, ring, slots, main, topk, sink, scale)
 
 
 def index_scores(q, weights, keys, entry_ids=None):

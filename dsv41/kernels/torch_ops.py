@@ -286,14 +286,21 @@ def gather_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return rows.flatten(0, 1).index_select(0, picked.flatten()).view(*ids.shape, *rows.shape[2:])
 
 
-def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float) -> torch.Tensor:
+def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float, tables: dict | None = None,
+                            key: object = None) -> torch.Tensor:
     """q [b, h, d] bf16; ring [b, W, swa bytes] with slots [b, W] (-1 unused); main [b, n, main bytes]
-    with topk [b, k] entry ids (-1 unused); sink [h] fp32 -> out [b, h, d] bf16."""
+    with topk [b, k] entry ids (-1 unused); sink [h] fp32 -> out [b, h, d] bf16. `tables`: the
+    step's dequantized Top-k entries by `key`, for the layers that read the same ones (a group's
+    Reuse layers after its Full layer): the first unpacks them, the others take its table."""
     d = q.size(-1)
     # unpacked straight to fp32, what sparse_attention computes in: a code times its scale is exact
     # in bf16 and fp32 alike, so this skips rounding to bf16 and converting back (same values)
     window = unpack_rows(ring, swa_format(d), torch.float32)
-    entries = unpack_rows(gather_rows(main, topk), main_kv_format(d), torch.float32)
+    entries = None if tables is None else tables.get(key)
+    if entries is None:
+        entries = unpack_rows(gather_rows(main, topk), main_kv_format(d), torch.float32)
+        if tables is not None:
+            tables[key] = entries
     kv = torch.cat([window, entries], dim=1)
     local = torch.arange(topk.size(1), device=q.device) + ring.size(1)
     idx = torch.cat([slots.int(), torch.where(topk >= 0, local, -1).int()], dim=1)

@@ -40,6 +40,8 @@ class SharedAttention:
     main_kv: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, head_dim]
     index_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, n_entries, index_head_dim]
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, s, k] entry ids, -1 = unused
+    # a decode step's dequantized Top-k entries by (KV owner, Top-k producer), kept on the batch's first part
+    decode_tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None  # [b, s, pool size] entry ids of the candidate pool, -1 unused
     candidate_source: int = -1
     scored: dict[str, int] | None = None  # index entries scored, by layer kind, when counted
@@ -481,7 +483,8 @@ class Attention(nn.Module):
             main = stores[0].pool.rows.expand(b, -1, -1)
             entry_idx = official_width(PagedEntries.physical_of(stores, entry_idx).int())
         return dispatch.sparse_attention_decode(q, torch.cat([ring.data for ring in rings]), slots, main, entry_idx,
-                                                self.attn_sink, self.head_dim**-0.5)
+                                                self.attn_sink, self.head_dim**-0.5, parts[0].decode_tables,
+                                                (self.spec.kv_owner, self.spec.topk_producer))
 
     def _window(self, kv: torch.Tensor, shared: SharedAttention, prepared=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The SWA keys this forward attends over (FP8) and each query's slots in them; kv are the
