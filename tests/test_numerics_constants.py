@@ -24,12 +24,12 @@ def test_constant_tensors_and_mean_equal_the_python_number_forms(rng, dtype):
 
 
 def _block_products(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Each 32-wide block's a_k w_k^T [K/32, M, N], from a GEMM of at least two rows (one row alone
-    goes to the BLAS's matrix-vector kernel, which the functions under test avoid)."""
+    """Each 32-wide block's a_k w_k^T [K/32, M, N], from the product the functions under test use
+    (its rows' bits alone and batched are checked below): this test is about adding the blocks."""
+    from dsv41.model.quant import _block_products as products
+
     m, k = a.shape
-    padded = torch.cat([a, torch.zeros(1, k)])
-    blocks = torch.bmm(padded.view(m + 1, k // 32, 32).transpose(0, 1), w.view(w.size(0), k // 32, 32).permute(1, 2, 0))
-    return blocks[:, :m]
+    return products(a.view(m, k // 32, 32).transpose(0, 1), w.view(w.size(0), k // 32, 32).permute(1, 2, 0))
 
 
 def test_block_scaled_matmul_adds_the_blocks_in_order_from_plus_zero(rng):
@@ -222,10 +222,22 @@ def test_chunks_are_taken_at_once_only_where_the_batched_products_keep_each_chun
     assert not torch_ops._chunks_at_once_keep_bits.__wrapped__(4, 64, 1)
 
 
-def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(rng):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(rng, threads):
     """Batched == alone at the bottom: FP8 rows (what the quantized linears take) multiplied one at
     a time and as a batch of 2..9. On MKL with AVX-512/AMX a one-row product used to take the
-    matrix-vector kernel and come out in other bits than the same row beside others."""
+    matrix-vector kernel and come out in other bits than the same row beside others; on AVX2 one
+    to three rows each sum another way than four or more, and at one block with two threads five
+    to seven rows another way than nine (the shape (37, 1) runs row by row there)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _rows_alone_and_batched(rng)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _rows_alone_and_batched(rng) -> None:
     from dsv41.model.quant import block_major, grouped_block_scaled_matmul
 
     def fp8(*shape: int) -> torch.Tensor:
@@ -233,7 +245,7 @@ def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(
 
     for _ in range(20):
         m = int(torch.randint(2, 10, (), generator=rng))
-        for n, nk in [(64, 8), (512, 32), (256, 2)]:
+        for n, nk in [(64, 8), (512, 32), (256, 2), (37, 1)]:
             a, w = fp8(m, nk * 32), fp8(n, nk * 32)
             a_scale = torch.exp2(torch.randint(-6, 6, (m, nk), generator=rng).float())
             w_scale = torch.exp2(torch.randint(-6, 6, (n, nk), generator=rng).float())
@@ -250,6 +262,18 @@ def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(
                 row, row_scale = ga[:, i:i + 1].contiguous(), ga_scale[:, i:i + 1].contiguous()
                 alone = grouped_block_scaled_matmul(row, row_scale, gw, gw_scale)
                 assert torch.equal(_bits(alone), _bits(batch[:, i:i + 1])), (m, n, nk, i)
+
+
+def test_rows_run_one_by_one_where_a_batched_product_would_sum_them_otherwise(rng, monkeypatch):
+    """Where the per-shape check finds a batch's rows summed otherwise than alone, the product runs
+    row by row, each padded as alone: the same bits as each row's own product."""
+    from dsv41.model import quant
+
+    monkeypatch.setattr(quant, "_many_rows_keep_bits", lambda *key: False)
+    a, w = torch.randn(4, 7, 32, generator=rng), torch.randn(4, 40, 32, generator=rng).transpose(1, 2)
+    rows = quant._block_products(a, w)
+    for i in range(7):
+        assert torch.equal(_bits(rows[:, i]), _bits(quant._block_products(a[:, i:i + 1], w)[:, 0]))
 
 
 @pytest.mark.parametrize("fn", [torch.sigmoid, torch.exp])
@@ -276,6 +300,8 @@ def test_fp32_linears_of_equal_sequences_give_each_the_bits_it_gets_alone(rng, t
             alone = torch.cat([numerics.linear(part, w) for part in x.split(tokens, dim=1)], dim=1)
             assert torch.equal(numerics.linear(x, w, [tokens] * count), alone), (n, k, count)
             # the batched form itself (used only where it gives these bits): the same values
-            torch.testing.assert_close(numerics._linear_as_batch(x, w, count), alone, rtol=1e-5, atol=1e-5)
+            # (atol from the terms' size: sums of k terms near 0 keep the error of the large terms)
+            torch.testing.assert_close(numerics._linear_as_batch(x, w, count), alone, rtol=1e-5,
+                                       atol=1e-6 * float(alone.abs().max()))
     bf16 = torch.randn(64, 192, generator=rng).bfloat16(), torch.randn(1, 8, 192, generator=rng).bfloat16()
     assert not numerics._as_batch_keeps_bits(bf16[1], bf16[0], [1] * 8)  # bf16 stays per sequence

@@ -17,6 +17,8 @@ largest value. For finite inputs this is exactly the reference.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from dsv41.kernels import codecs
@@ -143,9 +145,8 @@ def block_scaled_matmul(
     """
     m, k = a.shape
     n, nk = w.size(0), k // block
-    a = _two_rows_at_least(a, 0)
-    partials = numerics.bmm(a.view(-1, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
-    return _add_scaled_blocks(partials[:, :m], a_scale.t(), w_scale.t())
+    partials = _block_products(a.view(m, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
+    return _add_scaled_blocks(partials, a_scale.t(), w_scale.t())
 
 
 def block_major(w: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -164,20 +165,46 @@ def grouped_block_scaled_matmul(
     sums it: exact products per block, then the blocks added in K order from +0."""
     g, m, k = a.shape
     nk, n = k // block, w_blocks.size(2)
-    a = _two_rows_at_least(a, 1)
-    a_blocks = a.view(g, -1, nk, block).transpose(1, 2).reshape(g * nk, -1, block)
-    partials = numerics.bmm(a_blocks, w_blocks.flatten(0, 1).transpose(1, 2)).view(g, nk, -1, n).transpose(0, 1)
-    return _add_scaled_blocks(partials[..., :m, :], a_scale.permute(2, 0, 1), w_scale.permute(2, 0, 1))
+    a_blocks = a.view(g, m, nk, block).transpose(1, 2).reshape(g * nk, m, block)
+    partials = _block_products(a_blocks, w_blocks.flatten(0, 1).transpose(1, 2)).view(g, nk, m, n).transpose(0, 1)
+    return _add_scaled_blocks(partials, a_scale.permute(2, 0, 1), w_scale.permute(2, 0, 1))
 
 
-def _two_rows_at_least(a: torch.Tensor, dim: int) -> torch.Tensor:
-    """a with a row of zeros appended along `dim` when it has one row. A product with one row goes
-    to the BLAS's matrix-vector kernel, which on some CPUs (MKL on AVX-512/AMX) sums a block in
-    another order than its matrix kernel: a row alone got other bits than the same row in a batch.
-    With two rows or more, every row is summed the same way whatever the row count."""
-    if a.size(dim) != 1:
-        return a
-    return torch.cat([a, torch.zeros_like(a)], dim)
+ALONE_ROWS = 4  # the fewest rows a block product is computed with (`_block_products`)
+
+
+def _block_products(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [B, M, block] @ w [B, block, N], every row summed as it is in a product of `ALONE_ROWS`
+    rows, so that a row gets the same bits alone as in any batch. MKL's fp32 kernels sum a short
+    block in an order that depends on the row count when it is small: one row takes the
+    matrix-vector kernel (on AVX-512/AMX another order than the matrix kernel), and on AVX2 one to
+    three rows each sum another way than four or more. So fewer rows are padded with zero rows to
+    `ALONE_ROWS`, and more rows run as one product only where a check on this shape shows they get
+    the padded rows' bits (`_many_rows_keep_bits`), else row by row."""
+    m, a = a.size(1), a.contiguous()  # one layout for every row count: the kernel may depend on it
+    if numerics.is_stable() or m == ALONE_ROWS:
+        return numerics.bmm(a, w)
+    if m < ALONE_ROWS:
+        return numerics.bmm(torch.cat([a, a.new_zeros(a.size(0), ALONE_ROWS - m, a.size(2))], 1), w)[:, :m]
+    if _many_rows_keep_bits(tuple(w.shape), w.stride(), torch.get_num_threads()):
+        return numerics.bmm(a, w)
+    return torch.cat([_block_products(row, w) for row in a.split(1, dim=1)], 1)
+
+
+@cache
+def _many_rows_keep_bits(w_shape: tuple[int, ...], w_stride: tuple[int, ...], threads: int) -> bool:
+    """Whether products of more than `ALONE_ROWS` rows with a weight of this shape and layout give
+    every row the bits it gets padded to `ALONE_ROWS`, on random values at several row counts (the
+    BLAS picks its kernel by shape and layout, not by value)."""
+    generator = torch.Generator().manual_seed(0)
+    batch, block, _ = w_shape
+    w = torch.empty_strided(w_shape, w_stride).copy_(torch.randn(w_shape, generator=generator))
+    for m in (5, 8, 9, 17, 33):
+        a = torch.randn(batch, m, block, generator=generator)
+        alone = torch.cat([_block_products(row, w) for row in a.split(1, dim=1)], 1)
+        if not torch.equal(torch.bmm(a, w), alone):
+            return False
+    return True
 
 
 def _add_scaled_blocks(partials: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
