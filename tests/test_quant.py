@@ -274,3 +274,29 @@ def test_linears_beside_give_each_linear_its_own_bits_and_hold_the_weights_once(
     monkeypatch.undo()
     with torch.inference_mode():
         assert torch.equal(beside(x)[0], replaced(x))
+
+
+def test_filled_weight_caches_are_what_first_use_builds(rng):
+    """fill_weight_caches dequantizes every quantized linear (and joins those side by side) up
+    front: a forward afterwards dequantizes nothing and gives the bits of a model that built its
+    caches on first use."""
+    from dsv41.model import layers
+    from dsv41.model.reference import random_model
+
+    def quantized(model) -> list[layers.Linear]:
+        return [m for m in model.modules() if isinstance(m, layers.Linear) and m.scale is not None]
+
+    def filled(model) -> list[bool]:
+        return [linear._dequant is not None and linear._dequant[0] == linear.version() for linear in quantized(model)]
+
+    ids = torch.randint(3, 320, (1, 12), generator=rng)
+    lazy, eager = random_model("micro", seed=3), random_model("micro", seed=3)
+    assert not any(filled(eager))
+    layers.fill_weight_caches(eager)
+    assert all(filled(eager))
+    beside = [v for m in eager.modules() for v in vars(m).values() if isinstance(v, layers.LinearsBeside)]
+    assert beside and all(b._joined is not None for b in beside)
+    cached = {id(linear): linear._dequant[1] for linear in quantized(eager)}
+    with torch.inference_mode():
+        assert torch.equal(eager(ids).logits, lazy(ids).logits)
+    assert all(linear._dequant[1] is cached[id(linear)] for linear in quantized(eager))  # nothing rebuilt

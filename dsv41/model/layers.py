@@ -139,6 +139,19 @@ class LinearsBeside:
         return self._joined[1], self._joined[2]
 
 
+def fill_weight_caches(model: nn.Module) -> None:
+    """Build every quantized linear's dequantized weights, and the side-by-side joins of those that
+    share an input, now instead of at first use: what a served model holds after its warm-up (whose
+    prefill stacks every routed expert), for measuring decode steps without a prefill before them,
+    where each routed expert's first token would pay its dequantization."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.scale is not None:
+            module.dequantized()
+        for value in vars(module).values():
+            if isinstance(value, LinearsBeside) and all(linear.scale is not None for linear in value.linears):
+                value.joined()
+
+
 @functools.cache
 def _beside_keeps_bits(k: int, widths: tuple[int, ...], rows: int, threads: int) -> bool:
     """Whether block_scaled_matmul over weights side by side gives each column the bits of its own
