@@ -53,8 +53,13 @@ class Linear(nn.Module):
         self._scaled: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def version(self) -> tuple[int, int, int]:
-        """Changes whenever the weight or its scale does: the key of caches derived from them."""
-        return self.weight.data_ptr(), self.weight._version, self.scale._version
+        """Changes whenever the weight or its scale does: the key of caches derived from them. Read
+        from `_parameters` (what `self.weight` resolves to: a parameter's slot takes only a
+        Parameter), as `nn.Module.__getattr__` made this key 7x dearer; it is checked at every
+        quantized linear's call and per routed expert in a batched step."""
+        parameters = self._parameters
+        weight = parameters["weight"]
+        return weight.data_ptr(), weight._version, parameters["scale"]._version
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Weight values (fp32, unscaled) and per-row per-32 scales, cached until the weight changes."""
