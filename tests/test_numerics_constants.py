@@ -85,6 +85,20 @@ def test_dots_equal_the_einsum_they_replace(rng, dtype):
         assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_projection_equals_the_einsum_it_replaces(rng, dtype):
+    """`numerics.grouped_projection` (the output projection's bmm, called directly) gives
+    torch.einsum's bits: one decode token, a batch's sequences one by one, multi-token forwards,
+    the default model's and `mini`'s group shapes and others, strided inputs included."""
+    for b, s, g, d, r in [(1, 1, 2, 128, 64), (1, 7, 2, 128, 64), (2, 33, 4, 96, 48), (1, 1, 8, 512, 1024),
+                          (1, 130, 8, 512, 1024)]:
+        x, w = torch.randn(b, s, g, d, generator=rng).to(dtype), torch.randn(g, r, d, generator=rng).to(dtype)
+        for piece in (x, x.transpose(0, 1).contiguous().transpose(0, 1), x[:, : max(1, s // 2)]):
+            got, want = numerics.grouped_projection(piece, w), torch.einsum("bsgd,grd->bsgr", piece, w)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(_bits(got), _bits(want)), (b, s, g, d, r)
+
+
 def test_index_scores_by_chunks_equal_one_pass_over_every_key(rng):
     """Index scores computed INDEX_CHUNK keys at a time equal the formula over all keys at once
     (unpack, einsum, ReLU, weighted sum over heads), for a whole key range and for a pool of ids,

@@ -294,10 +294,10 @@ class Attention(nn.Module):
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)
         if shared.split_sizes:  # each sequence through its own bf16 GEMM: its sums can change with the row count
-            o = torch.cat([numerics.einsum("bsgd,grd->bsgr", piece, wo_a)
-                           for piece in o.split(shared.split_sizes, dim=1)], dim=1)
+            o = torch.cat([numerics.grouped_projection(piece, wo_a) for piece in o.split(shared.split_sizes, dim=1)],
+                          dim=1)
         else:
-            o = numerics.einsum("bsgd,grd->bsgr", o, wo_a)
+            o = numerics.grouped_projection(o, wo_a)
         return self.wo_b(o.flatten(2))
 
     def _attend_one(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:

@@ -127,7 +127,7 @@ class DSparkStage(Block):
                 outs.append(sparse_attention(q[i : i + 1], keys, attn.attn_sink, idx, attn.head_dim**-0.5))
         o = heads(torch.cat(outs), inverse=True).view(b, s, attn.n_groups, -1)
         wo_a = attn.wo_a.weight
-        o = numerics.einsum("bsgd,grd->bsgr", o.to(wo_a.dtype), wo_a.view(attn.n_groups, attn.o_rank, -1))
+        o = numerics.grouped_projection(o.to(wo_a.dtype), wo_a.view(attn.n_groups, attn.o_rank, -1))
         return attn.wo_b(o.flatten(2))
 
 

@@ -131,6 +131,19 @@ def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _contract_last(products, torch.promote_types(a.dtype, b.dtype))
 
 
+def grouped_projection(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [b, s, g, d] . w [g, r, d] over d -> [b, s, g, r]: einsum("bsgd,grd->bsgr") with the same
+    bits. Outside stable mode it makes the one `bmm` torch's einsum reduces this to ([g, b*s, d] @
+    [g, d, r], the operands in the layouts einsum gives them) without einsum's parsing and permutes,
+    which cost about as much as the product at decode sizes (the output projection `wo_a`, once
+    per sequence of a batch: 450 against 240 us a layer for a batch of 8 on `small`)."""
+    if _stable:
+        return einsum("bsgd,grd->bsgr", x, w)
+    b, s, g, d = x.shape
+    y = torch.bmm(x.reshape(b * s, g, d).transpose(0, 1), w.transpose(1, 2))
+    return y.transpose(0, 1).reshape(b, s, g, w.size(1))
+
+
 def dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [n, m, d] . b [n, t, d] over d -> [n, m, t]: einsum("nmd,ntd->nmt") with the same bits.
     Outside stable mode it calls bmm on b's transposed view: torch's einsum takes a path for bf16
