@@ -242,7 +242,7 @@ def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(
     a time and as a batch of 2..9. On MKL with AVX-512/AMX a one-row product used to take the
     matrix-vector kernel and come out in other bits than the same row beside others; on AVX2 one
     to three rows each sum another way than four or more, and at one block with two threads five
-    to seven rows another way than nine (the shape (37, 1) runs row by row there)."""
+    to seven rows another way than nine (the shape (37, 1) runs four rows at a time there)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -278,12 +278,12 @@ def _rows_alone_and_batched(rng) -> None:
                 assert torch.equal(_bits(alone), _bits(batch[:, i:i + 1])), (m, n, nk, i)
 
 
-def test_rows_run_one_by_one_where_a_batched_product_would_sum_them_otherwise(rng, monkeypatch):
+def test_rows_run_four_at_a_time_where_a_batched_product_would_sum_them_otherwise(rng, monkeypatch):
     """Where the per-shape check finds a batch's rows summed otherwise than alone, the product runs
-    row by row, each padded as alone: the same bits as each row's own product."""
+    ALONE_ROWS rows at a time: the same bits as each row's own (padded) product."""
     from dsv41.model import quant
 
-    monkeypatch.setattr(quant, "_many_rows_keep_bits", lambda *key: False)
+    monkeypatch.setattr(quant, "_many_rows_keep_bits", lambda w: False)
     a, w = torch.randn(4, 7, 32, generator=rng), torch.randn(4, 40, 32, generator=rng).transpose(1, 2)
     rows = quant._block_products(a, w)
     for i in range(7):

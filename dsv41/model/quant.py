@@ -17,8 +17,6 @@ largest value. For finite inputs this is exactly the reference.
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from dsv41.kernels import codecs
@@ -180,31 +178,39 @@ def _block_products(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     matrix-vector kernel (on AVX-512/AMX another order than the matrix kernel), and on AVX2 one to
     three rows each sum another way than four or more. So fewer rows are padded with zero rows to
     `ALONE_ROWS`, and more rows run as one product only where a check on this shape shows they get
-    the padded rows' bits (`_many_rows_keep_bits`), else row by row."""
+    those bits (`_many_rows_keep_bits`), else `ALONE_ROWS` at a time (a row's sums in a product
+    depend on the product's shape, not on the other rows' values)."""
     m, a = a.size(1), a.contiguous()  # one layout for every row count: the kernel may depend on it
     if numerics.is_stable() or m == ALONE_ROWS:
         return numerics.bmm(a, w)
     if m < ALONE_ROWS:
         return numerics.bmm(torch.cat([a, a.new_zeros(a.size(0), ALONE_ROWS - m, a.size(2))], 1), w)[:, :m]
-    if _many_rows_keep_bits(tuple(w.shape), w.stride(), torch.get_num_threads()):
+    if _many_rows_keep_bits(w):
         return numerics.bmm(a, w)
-    return torch.cat([_block_products(row, w) for row in a.split(1, dim=1)], 1)
+    return _in_products_of_alone_rows(a, w)
 
 
-@cache
-def _many_rows_keep_bits(w_shape: tuple[int, ...], w_stride: tuple[int, ...], threads: int) -> bool:
-    """Whether products of more than `ALONE_ROWS` rows with a weight of this shape and layout give
-    every row the bits it gets padded to `ALONE_ROWS`, on random values at several row counts (the
-    BLAS picks its kernel by shape and layout, not by value)."""
-    generator = torch.Generator().manual_seed(0)
-    batch, block, _ = w_shape
-    w = torch.empty_strided(w_shape, w_stride).copy_(torch.randn(w_shape, generator=generator))
-    for m in (5, 8, 9, 17, 33):
-        a = torch.randn(batch, m, block, generator=generator)
-        alone = torch.cat([_block_products(row, w) for row in a.split(1, dim=1)], 1)
-        if not torch.equal(torch.bmm(a, w), alone):
-            return False
-    return True
+def _in_products_of_alone_rows(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.cat([_block_products(piece, w) for piece in a.split(ALONE_ROWS, dim=1)], 1)
+
+
+_MANY_ROWS_KEEP_BITS: dict[tuple, bool] = {}
+
+
+def _many_rows_keep_bits(w: torch.Tensor) -> bool:
+    """Whether products of more than `ALONE_ROWS` rows with weights of w's shape and layout give
+    every row the bits it gets in a product of `ALONE_ROWS` rows, checked once per shape, layout and
+    thread count on random rows at several counts against w itself (the BLAS picks its kernel by
+    shape and layout, not by value; w's own values spare allocating a weight as large)."""
+    key = (tuple(w.shape), w.stride(), torch.get_num_threads())
+    known = _MANY_ROWS_KEEP_BITS.get(key)
+    if known is None:
+        generator = torch.Generator().manual_seed(0)
+        batch, block, _ = w.shape
+        rows = [torch.randn(batch, m, block, generator=generator) for m in (5, 8, 9, 17, 33)]
+        known = _MANY_ROWS_KEEP_BITS[key] = all(
+            torch.equal(torch.bmm(a, w), _in_products_of_alone_rows(a, w)) for a in rows)
+    return known
 
 
 def _add_scaled_blocks(partials: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
