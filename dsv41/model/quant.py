@@ -207,7 +207,7 @@ def _many_rows_keep_bits(w: torch.Tensor) -> bool:
     if known is None:
         generator = torch.Generator().manual_seed(0)
         batch, block, _ = w.shape
-        rows = [torch.randn(batch, m, block, generator=generator) for m in (5, 8, 9, 17, 33)]
+        rows = [torch.randn(batch, m, block, generator=generator, dtype=w.dtype) for m in (5, 8, 9, 17, 33)]
         known = _MANY_ROWS_KEEP_BITS[key] = all(
             torch.equal(torch.bmm(a, w), _in_products_of_alone_rows(a, w)) for a in rows)
     return known
