@@ -284,6 +284,9 @@ class DecoderPrefill(Message):
     pre_mix: Tensor
     span_starts: SpanCounts = []  # image spans of the prompt (positions only: bias_vl in the MoE gates)
     span_lengths: SpanCounts = []
+    # the encoder sends a batched step right after this (the prompt's last chunk ran in its encoder
+    # pass): the replay waits for it and runs in its decoder pass
+    step_follows: bool = False
 
 
 class DecoderStep(Message):

@@ -119,6 +119,10 @@ def test_a_long_prompt_is_prefilled_between_the_steps_of_a_decoding_stream(root)
         # the 25 chunks of B's prompt leave room for about one step of A each; served without
         # interleaving, A would stall for the whole prefill (at most the step already in flight)
         assert during >= 8, log
+        # B's chunks ran in the encoder passes of A's steps while one was out at the decoder
+        encoder = supervisor.peer("encoder")
+        assert encoder.ping().counters["chunks_beside_steps"] > 0
+        encoder.close()
         assert_idle(supervisor)
         # one at a time, the same tokens (greedy)
         assert tokens_of(supervisor, SHORT, 120) == outputs["A"]
@@ -278,6 +282,79 @@ def test_decoder_replays_wait_for_the_inbox_and_a_release_answers_a_waiting_one(
     (answer, frames), = answers[9104]
     _, want = core.prefill(prompts[9101], "ced", capacity=len(prompts[9101]) + 8, packed=True)
     assert torch.equal(m.tensor(answer.logits, frames)[-1], want)
+
+
+def test_a_replay_the_encoder_sends_before_a_step_waits_for_it_and_runs_in_its_pass(tmp_path):
+    """A `ced` replay marked `step_follows` is held even with an empty inbox until the batched step
+    comes, then runs in that step's decoder pass: the prefill's logits and the step's are those of
+    the same work in process. One whose step does not come within STEP_WAIT_S runs alone; if the
+    shared pass fails, the replay's prefill and the step both get the error."""
+    from dsv41.components.context import ComponentContext
+    from dsv41.components.decoder import DecoderComponent
+    from dsv41.engine.core import InferenceCore
+
+    decoder = DecoderComponent(ComponentContext(pipeline_for("thread", tmp_path), {}, tmp_path))
+    decoder.inbox_size = lambda: 0
+    core = InferenceCore(decoder.core.model, chunk_size=16)
+    answers: dict[int, list] = {}
+
+    def answer_to(rid: int):
+        return lambda answer, out=None: answers.setdefault(rid, []).append((answer, m.decode(m.encode(answer, out))[1]))
+
+    def prefill(rid: int, prompt: list[int], step_follows: bool):
+        seq, _ = core.new_sequence(prompt, len(prompt) + 8, packed=True)
+        x, pre_mix, starts = core.encode_prompt(seq, torch.tensor([prompt]), False)
+        group, n, out = seq.cache.groups[decoder.group], len(prompt), m.Frames()
+        request = m.DecoderPrefill(request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
+                                   main_kv=out.add(group.main_kv.raw(slice(0, n))),
+                                   index_k=out.add(group.index_k.raw(slice(0, n))), streams=out.add(x),
+                                   pre_mix=out.add(pre_mix), step_follows=step_follows)
+        decoder.handle(*m.decode(m.encode(request, out)), answer_to(rid))
+        return seq
+
+    def step(batch_id: int, seq, rid: int, token: int):
+        start = seq.cache.length
+        x, pre_mix = core.encode_tokens_batch([seq], [[token]])
+        out = m.Frames()
+        request = m.DecoderBatchStep(request_id=batch_id, request_ids=[rid], starts=[start], sizes=[1],
+                                     streams=out.add(x), pre_mix=out.add(pre_mix))
+        decoder.handle(*m.decode(m.encode(request, out)), answer_to(batch_id))
+
+    def expected_step(prompt: list[int], token: int) -> torch.Tensor:
+        seq, _ = core.prefill(prompt, "ced", capacity=len(prompt) + 8, packed=True)
+        return core.step(seq, [token])[-1]
+
+    decoding, joining, late = ids(19, 71), ids(33, 72), ids(25, 73)
+    seq = prefill(9200, decoding, step_follows=False)
+    assert decoder.tick() and 9200 in answers  # not marked: with an empty inbox it runs at once
+    prefill(9201, joining, step_follows=True)
+    assert not decoder.tick() and 9201 not in answers  # held for the step that follows
+    step(9202, seq, 9200, 7)
+    assert decoder.counters["replays_beside_steps"] == 1
+    (answer, frames), = answers[9201]
+    _, want = core.prefill(joining, "ced", capacity=len(joining) + 8, packed=True)
+    assert torch.equal(m.tensor(answer.logits, frames)[-1], want)
+    (answer, frames), = answers[9202]
+    assert answer.request_ids == [9200] and torch.equal(m.tensor(answer.logits, frames)[-1],
+                                                        expected_step(decoding, 7))
+    # the step did not come in time: the replay runs alone
+    prefill(9203, late, step_follows=True)
+    decoder.replays[9203].step_due = time.monotonic() - 1
+    assert decoder.tick()
+    (answer, frames), = answers[9203]
+    _, want = core.prefill(late, "ced", capacity=len(late) + 8, packed=True)
+    assert torch.equal(m.tensor(answer.logits, frames)[-1], want)
+    # a shared pass that fails fails the replay's prefill (its sequence dropped) and the step
+    prefill(9204, joining, step_follows=True)
+    real = decoder.core.decode_batch
+    decoder.core.decode_batch = lambda *args: (_ for _ in ()).throw(RuntimeError("pass broke"))
+    held = len(decoder.sequences)
+    with pytest.raises(RuntimeError, match="pass broke"):  # (the runtime answers the step with it)
+        step(9205, seq, 9200, 8)
+    decoder.core.decode_batch = real
+    (error, _), = answers[9204]
+    assert error.code == m.ErrorCode.INTERNAL and "pass broke" in error.text
+    assert len(decoder.sequences) == held - 1 and not decoder.replays
 
 
 def test_decoding_requests_alternate_in_two_batches_in_flight_and_a_cancel_between_leaves_the_rest(root):

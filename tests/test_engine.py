@@ -445,3 +445,64 @@ def test_warm_up_leaves_no_pages_and_changes_no_result(micro, rng):
     tiny = InferenceCore(micro, pools=PagePools(max_pages=1))
     tiny.warm_up()  # a pool too small for the throwaway sequence is left alone
     assert tiny.pages_in_use == 0
+
+
+def test_prompt_chunks_and_replays_beside_a_decode_step_equal_each_alone(rng):
+    """Continuous batching's mixed pass: the pending prompt chunks run in the encoder pass of a
+    batched decode step (`encode_batch`), and the finished prompts' decoder replays in its decoder
+    pass (`decode_batch`). In default numerics every step's logits and DSpark input, every
+    replay's, the SWA rings and the counters are the bits of the same work run apart."""
+    from dsv41.checkpoint import load_model
+    from dsv41.engine.core import Replay
+
+    model, _ = load_model("small")
+    model.eval()
+    vocab = model.config.text_config.vocab_size
+    decoding_prompts = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in (9, 70, 33)]
+    new_prompts = [torch.randint(3, vocab, (n,), generator=rng).tolist() for n in (40, 130, 5)]
+    first_tokens = torch.randint(3, vocab, (len(decoding_prompts),), generator=rng).tolist()
+
+    def run(mixed: bool):
+        core = InferenceCore(model, chunk_size=64)
+        out = []
+        with torch.inference_mode():
+            decoding = [core.prefill(ids, "ced", capacity=len(ids) + 16, packed=True)[0] for ids in decoding_prompts]
+            prefilling, pending = [], {}
+            for i, ids in enumerate(new_prompts):
+                seq, _ = core.new_sequence(ids, len(ids) + 8, packed=True)
+                steps = core.encode_prompt_steps(seq, torch.tensor([ids]), False)
+                prefilling.append((seq, steps))
+                pending[i] = next(steps)
+            tokens = [[t] for t in first_tokens]
+            for _ in range(4):
+                keys = list(pending)
+                starts = [seq.cache.length for seq in decoding]
+                if mixed:
+                    results, (x, pre_mix) = core.encode_batch([pending[k] for k in keys], decoding, tokens)
+                else:
+                    results = core.encode_chunks([pending[k] for k in keys]) if keys else []
+                    x, pre_mix = core.encode_tokens_batch(decoding, tokens)
+                replays = []
+                for key, result in zip(keys, results, strict=True):
+                    try:
+                        pending[key] = prefilling[key][1].send(result)
+                    except StopIteration as finished:
+                        del pending[key]
+                        seq = prefilling[key][0]
+                        replays.append(Replay(seq, *finished.value, len(new_prompts[key])))
+                sizes = [1] * len(decoding)
+                if mixed:
+                    replayed, (logits, hidden) = core.decode_batch(replays, decoding, x, pre_mix, starts, sizes)
+                else:
+                    replayed = core.decoder_replays(replays) if replays else []
+                    logits, hidden = core.decode_streams_batch(decoding, x, pre_mix, starts, sizes)
+                for replay_logits, targets in replayed:
+                    out += [replay_logits, core.replay_hidden(targets)]
+                out += logits + hidden
+                tokens = [[int(step[-1].argmax())] for step in logits]
+        return out, decoding + [seq for seq, _ in prefilling]
+
+    apart, apart_seqs = run(False)
+    mixed, mixed_seqs = run(True)
+    assert len(apart) == 4 * 2 * len(decoding_prompts) + 2 * len(new_prompts)  # every prompt finished
+    _assert_same_bits(apart, mixed, apart_seqs, mixed_seqs)

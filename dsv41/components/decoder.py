@@ -4,13 +4,17 @@ A `ced`/`exact` prefill arrives as the decoder group's global KV (packed entries
 encoder) plus the encoder output from where the decoder replay starts; decode steps and
 verification arrive as the encoder output of the new tokens. Returns logits and, for steps,
 DSpark's input (mean over hc copies of the streams entering the target layers). The replays of
-`ced` prefills that arrive together run as one batch (each gets the bits it gets alone).
+`ced` prefills that arrive together run as one batch, and in the pass of a batched step when one
+comes while they wait (each gets the bits it gets alone).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +29,14 @@ from dsv41.model.cache import DecodeCache
 from dsv41.model.vision import ImageSpan
 
 REPLAY_BATCH = 4  # `ced` decoder replays run as one batch (the encoder batches as many prompts' chunks)
+STEP_WAIT_S = 0.5  # the longest a replay waits for the batched step the encoder said follows it
+
+
+@dataclass
+class WaitingReplay:
+    replay: Replay
+    reply: Reply
+    step_due: float = 0.0  # until then it waits for the step that follows it (monotonic time; 0: none)
 
 
 def _spans(message: m.DecoderPrefill | m.DecoderStep) -> list[ImageSpan] | None:
@@ -50,8 +62,9 @@ class DecoderComponent(Component):
         self.limit = self.core.model.config.text_config.max_position_embeddings
         self.sequences = Sequences(context.pipeline.generation.request_timeout_s)
         # `ced` prefills whose replay has not run: they wait while more messages are in the inbox
-        # (the encoder sends the prefills of one batch of prompt chunks together), then run as one batch
-        self.replays: dict[int, tuple[Replay, Reply]] = {}
+        # (the encoder sends the prefills of one batch of prompt chunks together), then run as one
+        # batch, or in the next batched step's pass
+        self.replays: dict[int, WaitingReplay] = {}
 
     @torch.inference_mode()
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
@@ -66,7 +79,7 @@ class DecoderComponent(Component):
                 case m.Release():
                     waiting = self.replays.pop(message.request_id, None)
                     if waiting is not None:
-                        waiting[1](m.error_reply(message.request_id, m.ErrorCode.UNKNOWN_REQUEST, self.name,
+                        waiting.reply(m.error_reply(message.request_id, m.ErrorCode.UNKNOWN_REQUEST, self.name,
                                                  "released before its prefill's replay ran"))
                     self.sequences.pop(message.request_id)
                     reply(m.Ack(request_id=message.request_id))
@@ -88,12 +101,14 @@ class DecoderComponent(Component):
             raise
 
     def tick(self) -> bool:
-        ran = bool(self.replays) and (len(self.replays) >= REPLAY_BATCH or not self.inbox_size())
+        now = time.monotonic()
+        held = any(waiting.step_due > now for waiting in self.replays.values())  # its step comes next
+        ran = bool(self.replays) and not held and (len(self.replays) >= REPLAY_BATCH or not self.inbox_size())
         if ran:
             self._replay()
         self.counters["idle_sequences_dropped"] += self.sequences.sweep()
         self.counters["sequences"], self.counters["pages_in_use"] = len(self.sequences), self.sequences.pages_in_use()
-        return ran or bool(self.replays)
+        return ran or (bool(self.replays) and not held)
 
     def _prefill(self, message: m.DecoderPrefill, frames: list[memoryview], reply: Reply) -> None:
         """A prefill's sequence and global KV now; its replay runs now when its layers start at
@@ -113,7 +128,8 @@ class DecoderComponent(Component):
             x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
             replay = Replay(seq, x, pre_mix, list(message.starts), n, _spans(message))
             if len(set(message.starts)) == 1:
-                self.replays[message.request_id] = (replay, reply)
+                due = time.monotonic() + STEP_WAIT_S if message.step_follows else 0.0
+                self.replays[message.request_id] = WaitingReplay(replay, reply, due)
                 return
             targets: list[torch.Tensor] = []
             logits = self.core.decoder_replay(seq, x, pre_mix, replay.starts, n, targets, spans=replay.spans)
@@ -122,21 +138,30 @@ class DecoderComponent(Component):
     def _replay(self) -> None:
         """Run up to REPLAY_BATCH waiting replays as one batch and answer each; if the batch fails,
         each of its prefills fails (its sequence dropped) and the component goes on."""
+        with contextlib.suppress(Exception):  # the batch's prefills have failed; the component goes on
+            self._with_replays(lambda replays: (self.core.decoder_replays(replays), None))
+
+    def _with_replays(self, run):
+        """Take up to REPLAY_BATCH waiting replays, `run(replays)` -> (their results, other), answer
+        each, return other. If `run` fails, each of them fails (its sequence dropped) and the error
+        is raised on."""
         batch = list(self.replays.items())[:REPLAY_BATCH]
         for rid, _ in batch:
             del self.replays[rid]
         try:
             with torch.inference_mode(), page_capacity():
-                results = self.core.decoder_replays([replay for _, (replay, _) in batch])
-        except Exception as e:  # noqa: BLE001 - the batch's prefills fail, the component goes on
+                results, other = run([waiting.replay for _, waiting in batch])
+        except Exception as e:
             error = self.error_fields(e)
-            for rid, (_, reply) in batch:
+            for rid, waiting in batch:
                 self.sequences.pop(rid)
-                reply(m.error_reply(rid, *error))
-            return
-        self.counters.update(replay_batches=1, batched_replays=len(batch))
-        for (rid, (replay, reply)), (logits, targets) in zip(batch, results, strict=True):
-            reply(*self._replayed(rid, replay.seq, logits, targets))
+                waiting.reply(m.error_reply(rid, *error))
+            raise
+        if batch:
+            self.counters.update(replay_batches=1, batched_replays=len(batch))
+        for (rid, waiting), (logits, targets) in zip(batch, results, strict=True):
+            waiting.reply(*self._replayed(rid, waiting.replay.seq, logits, targets))
+        return other
 
     def _replayed(self, rid: int, seq: Sequence, logits: torch.Tensor, targets: list[torch.Tensor]):
         self.counters.update(prefills=1, replayed_layer_tokens=seq.counters.replayed_layer_tokens,
@@ -190,7 +215,11 @@ class DecoderComponent(Component):
         logits, hidden = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bfloat16)
         if keep:
             x, pre_mix = (torch.cat([t.split(message.sizes, dim=1)[i] for i in keep], dim=1) for t in (x, pre_mix))
-            logits, hidden = self.core.decode_streams_batch(seqs, x, pre_mix, [message.starts[i] for i in keep], sizes)
+            starts = [message.starts[i] for i in keep]
+            replays = len(self.replays)
+            logits, hidden = self._with_replays(lambda waiting: self.core.decode_batch(waiting, seqs, x, pre_mix,
+                                                                                       starts, sizes))
+            self.counters["replays_beside_steps"] += min(replays, REPLAY_BATCH)
             logits, hidden = torch.cat(logits), torch.cat(hidden)
             self.counters.update(batches=1, step_tokens=sum(sizes),
                                  decoder_layer_tokens=sum(sizes) * len(self.core.decoder))

@@ -150,6 +150,10 @@ class EncoderComponent(Component):
         # prefills in progress, oldest first: one batch of their chunks runs per turn of the loop, so
         # the steps of requests already decoding are served between the chunks of a long prompt
         self.jobs: dict[int, Job] = {}
+        # batched steps whose decoder half is out: while one is, the next comes soon, and prompt chunks
+        # wait to run in it (sharing its per-token work) rather than alone
+        self.steps_out = 0
+        self.beside_step = False  # prefills resumed after a step's encoder pass, before its decoder half is sent
         self._full_jobs: set[int] = set()  # jobs whose chunks the decoder has seen
 
     def deliver(self, message: m.Message, frames: list[memoryview]) -> None:
@@ -189,10 +193,11 @@ class EncoderComponent(Component):
         if job.pending is None:
             self._resume(rid, None)
             return True
+        if self.steps_out and not job.pending.replay:
+            return False  # the next batched step comes after the one out: the chunks join it (`_batch_step`)
         batch = [rid]
         if not job.pending.replay:
-            batch += [other for other, waiting in self.jobs.items() if other != rid and waiting.pending is not None
-                      and not waiting.pending.replay][: PREFILL_BATCH - 1]
+            batch += self._joining(PREFILL_BATCH - 1, but=rid)
         try:
             with torch.inference_mode(), page_capacity():
                 results = self.core.encode_chunks([self.jobs[r].pending for r in batch])
@@ -206,6 +211,12 @@ class EncoderComponent(Component):
         for r, result in zip(batch, results, strict=True):
             self._resume(r, result)
         return True
+
+    def _joining(self, count: int, but: int = 0) -> list[int]:
+        """Up to `count` prefills (oldest first, other than `but`) whose next work is a prompt chunk
+        that can run in a batch."""
+        return [rid for rid, job in self.jobs.items() if rid != but and job.pending is not None
+                and not job.pending.replay][:count]
 
     def _resume(self, rid: int, result) -> None:
         """Take a prefill on to the next work it waits on, giving it the result of the last."""
@@ -273,7 +284,7 @@ class EncoderComponent(Component):
                                                     snapshot, snapshot_at, spans)
         engram_wait = self.mailbox.waited_s - waited
         self._store_blocks(seq, keys, len(blocks))
-        self.decoder.send(request, out, answered)
+        self.decoder.send(msgspec.structs.replace(request, step_follows=self.beside_step), out, answered)
         self.jobs.pop(rid, None)
 
     def _check_prompt(self, rid: int, ids: list[int], capacity: int) -> None:
@@ -460,14 +471,46 @@ class EncoderComponent(Component):
         seqs, tokens, fetches = (list(column) for column in zip(*inputs, strict=True))
         starts, sizes = [seq.cache.length for seq in seqs], [len(t) for t in tokens]
         verify = [seq.saved is not None for seq in seqs]
-        x, pre_mix = self.core.encode_tokens_batch(seqs, tokens, fetches)
+        x, pre_mix = self._encode_with_chunks(seqs, tokens, fetches)
         self.counters.update(batches=1, step_tokens=sum(sizes),
                              encoder_layer_tokens=sum(sizes) * len(self.core.encoder))
         out = m.Frames()
         request = m.DecoderBatchStep(request_id=message.request_id, request_ids=rids, starts=starts, sizes=sizes,
                                      streams=out.add(x), pre_mix=out.add(pre_mix), verify=verify if any(verify) else [])
-        self._send_on(reply, request, out, lambda answer: msgspec.structs.replace(
-            answer, errors=errors + list(answer.errors)))
+
+        def finish(answer: m.BatchLogits) -> m.BatchLogits:
+            self.steps_out -= 1
+            return msgspec.structs.replace(answer, errors=errors + list(answer.errors))
+
+        def fail(*error) -> None:
+            self.steps_out -= 1
+            reply(m.error_reply(message.request_id, *error))
+
+        self.decoder.send(request, out, functools.partial(self._pass_on, reply, message.request_id, finish, fail))
+        self.steps_out += 1
+
+    def _encode_with_chunks(self, seqs: list[Sequence], tokens: list[list[int]], fetches: list):
+        """A batched step's encoder half, with the prompt chunks that wait (up to PREFILL_BATCH) in
+        the same pass; the prefills go on with their results (a finished one sends its decoder half).
+        If the pass fails, those prefills fail with it."""
+        joining = self._joining(PREFILL_BATCH)
+        try:
+            results, stepped = self.core.encode_batch([self.jobs[r].pending for r in joining], seqs, tokens, fetches)
+        except Exception as e:
+            error = self.error_fields(e)
+            for r in joining:
+                self._fail_job(r, self.jobs[r].reply, *error)
+            raise
+        if joining:
+            self.counters.update(prefill_batches=1, prefill_batched_chunks=len(joining),
+                                 chunks_beside_steps=len(joining))
+        self.beside_step = True
+        try:
+            for r, result in zip(joining, results, strict=True):
+                self._resume(r, result)
+        finally:
+            self.beside_step = False
+        return stepped
 
     def _rows(self, request_id: int, start: int, end: int) -> dict[int, torch.Tensor] | None:
         """Prefetched Engram rows, or None (look them up here) when they do not come in time:

@@ -312,37 +312,65 @@ class InferenceCore:
         seq.count_pages()
         return self.model.finish(x[:, -1:], pre_mix[:, -1:])[1][0, -1]
 
-    @torch.inference_mode()
     def decoder_replays(self, replays: list[Replay]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         """`decoder_replay` of several sequences as one batch (the per-token work once over all
         their positions, attention per sequence); each must start every decoder layer at one
         position (`ced`). Returns each one's logits [vocab] at its last position and its DSpark
         input per target layer (for `replay_hidden`)."""
-        if any(len(set(r.starts)) != 1 for r in replays) or len({id(r.seq) for r in replays}) != len(replays):
+        return self.decode_batch(replays)[0]
+
+    @torch.inference_mode()
+    def decode_batch(self, replays: list[Replay], seqs: list[Sequence] = (), x: torch.Tensor | None = None,
+                     pre_mix: torch.Tensor | None = None, starts: list[int] = (), sizes: list[int] = (),
+                     spans: list | None = None):
+        """`ced` decoder replays (`decoder_replays`) and a batched step's decoder half of other
+        sequences (`decode_streams_batch`: their streams x, pre_mix concatenated) as one pass, so that
+        a prefill's replay shares the per-token work of the step it runs beside; every sequence gets
+        the bits it gets alone. Returns (each replay's (logits [vocab], DSpark input per target
+        layer)), (the steps' logits [k_i, vocab] and DSpark inputs [k_i, 3 * dim])."""
+        if any(len(set(r.starts)) != 1 for r in replays) or len(
+                {id(r.seq) for r in replays} | {id(seq) for seq in seqs}) != len(replays) + len(seqs):
             raise ValueError("batched decoder replays take one per sequence, each starting every layer at once")
-        parts, xs, pre_mixes, sizes = [], [], [], []
+        for seq, start, size in zip(seqs, starts, sizes, strict=True):  # pages first: a full pool changes nothing
+            self.model.check_span(start, size, seq.cache)
+            seq.cache.reserve(start + size, self.decoder_ids)
+        parts = [SharedAttention(start=start, cache=seq.cache, scored=seq.counters.indexer_scored)
+                 for seq, start in zip(seqs, starts, strict=True)]
+        xs, pre_mixes = ([] if x is None else [x]), ([] if pre_mix is None else [pre_mix])
+        replay_sizes = []
         for r in replays:
             start, drop = r.starts[0], r.starts[0] - (r.n - r.x.size(1))
             xs.append(r.x[:, drop:])
             pre_mixes.append(r.pre_mix[:, drop:])
-            sizes.append(r.n - start)
+            replay_sizes.append(r.n - start)
             parts.append(SharedAttention(start=start, cache=r.seq.cache, emit_entries=False, window_floor=start,
                                          scored=r.seq.counters.indexer_scored))
-        shared, targets = _shared(parts, sizes), []
+        all_sizes, targets = list(sizes) + replay_sizes, []
+        shared = _shared(parts, all_sizes)
         x, pre_mix = torch.cat(xs, dim=1), torch.cat(pre_mixes, dim=1)
-        mask = _batch_mask([r.spans for r in replays], [r.starts[0] for r in replays], sizes)
+        mask = _batch_mask(list(spans or [None] * len(seqs)) + [r.spans for r in replays],
+                           list(starts) + [r.starts[0] for r in replays], all_sizes)
         for layer in self.decoder:
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, targets=targets, image_mask=mask)
-        out = []
-        for i, (r, own, own_mix) in enumerate(zip(replays, x.split(sizes, dim=1), pre_mix.split(sizes, dim=1),
-                                                  strict=True)):
-            r.seq.counters.decoder_layer_tokens += sizes[i] * len(self.decoder)
-            r.seq.counters.replayed_layer_tokens += sizes[i] * len(self.decoder)
+            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, image_mask=mask, targets=targets)
+        stepped = sum(sizes)
+        replayed = []
+        for i, (r, own, own_mix) in enumerate(zip(replays, x[:, stepped:].split(replay_sizes, dim=1),
+                                                  pre_mix[:, stepped:].split(replay_sizes, dim=1), strict=True)):
+            r.seq.counters.decoder_layer_tokens += replay_sizes[i] * len(self.decoder)
+            r.seq.counters.replayed_layer_tokens += replay_sizes[i] * len(self.decoder)
             r.seq.cache.length = r.n
             r.seq.count_pages()
             logits = self.model.finish(own[:, -1:], own_mix[:, -1:])[1][0, -1]
-            out.append((logits, [t.split(sizes, dim=1)[i] for t in targets]))
-        return out
+            replayed.append((logits, [t[:, stepped:].split(replay_sizes, dim=1)[i] for t in targets]))
+        if not seqs:
+            return replayed, ([], [])
+        for seq, start, size in zip(seqs, starts, sizes, strict=True):
+            seq.counters.decoder_layer_tokens += size * len(self.decoder)
+            seq.cache.length = start + size
+            seq.count_pages()
+        logits = self.model.finish(x[:, :stepped], pre_mix[:, :stepped], list(sizes) if len(seqs) > 1 else None)[1][0]
+        hidden = torch.cat(targets, dim=-1)[0]
+        return replayed, (list(logits.split(list(sizes))), list(hidden[:stepped].split(list(sizes))))
 
     @staticmethod
     def replay_hidden(targets: list[torch.Tensor]) -> torch.Tensor:
@@ -351,34 +379,67 @@ class InferenceCore:
         r = min(t.size(1) for t in targets)
         return torch.cat([t[0, t.size(1) - r :] for t in targets], dim=-1)
 
-    @torch.inference_mode()
     def encode_chunks(self, chunks: list[PromptChunk]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Run prompt chunks (each of another sequence) through the encoder layers as one batch: the
         per-token work once over all their tokens, attention per sequence. Returns each chunk's
         streams from its keep_from on (None when it ends before). A replay runs alone."""
-        if len({id(chunk.seq) for chunk in chunks}) != len(chunks) or (len(chunks) > 1 and any(
-                chunk.replay for chunk in chunks)):
+        return self.encode_batch(chunks)[0]
+
+    @torch.inference_mode()
+    def encode_batch(self, chunks: list[PromptChunk], seqs: list[Sequence] = (), tokens: list[list[int]] = (),
+                     fetch_rows: list | None = None, spans: list | None = None):
+        """Prompt chunks (`encode_chunks`) and a step's new tokens of other sequences
+        (`encode_tokens_batch`) through the encoder layers as one pass, so that a prefill shares the
+        per-token work (projections, mHC, MoE) of the decode step it runs beside; attention runs per
+        sequence, a one-token step as in a batch of steps alone, and every sequence gets the bits it
+        gets alone. Returns (each chunk's streams from its keep_from on or None, the steps' streams
+        concatenated or None without steps)."""
+        if len({id(chunk.seq) for chunk in chunks} | {id(seq) for seq in seqs}) != len(chunks) + len(seqs) or (
+                len(chunks) + len(seqs) > 1 and any(chunk.replay for chunk in chunks)):
             raise ValueError("a batch of prompt chunks takes one chunk per sequence, and a replay alone")
-        first_decoder = self.decoder[0]
+        for seq, ids in zip(seqs, tokens, strict=True):  # pages first: a full pool changes nothing
+            self._check_step(seq, ids)
+            seq.cache.reserve(seq.cache.length + len(ids), self.encoder_ids)
+        spans = list(spans or [None] * len(seqs)) + [chunk.spans for chunk in chunks]
+        starts = [seq.cache.length for seq in seqs] + [chunk.start for chunk in chunks]
+        sizes = [len(ids) for ids in tokens] + [chunk.size for chunk in chunks]
+        fetches = list(fetch_rows or [None] * len(seqs)) + [
+            None if chunk.rows_for is None else functools.partial(chunk.rows_for, chunk.start, chunk.end)
+            for chunk in chunks]
+        ids = [torch.tensor([t]) for t in tokens] + [chunk.tokens[:, chunk.start : chunk.end] for chunk in chunks]
+        caches = [seq.cache for seq in seqs] + [chunk.seq.cache for chunk in chunks]
         parts, xs, pre_mixes, rows = [], [], [], []
-        for chunk in chunks:
-            start, end, seq = chunk.start, chunk.end, chunk.seq
-            x, pre_mix, row_ids, _ = self.model.begin(chunk.tokens[:, start:end], start, seq.cache,
-                                                      image_mask(chunk.spans, start, chunk.size), chunk.spans)
+        for i, (own_ids, start, size, cache, fetch, own) in enumerate(zip(ids, starts, sizes, caches, fetches, spans,
+                                                                          strict=True)):
+            x, pre_mix, row_ids, _ = self.model.begin(own_ids, start, cache, image_mask(own, start, size), own)
             xs.append(x)
             pre_mixes.append(pre_mix)
-            fetch = functools.partial(chunk.rows_for, start, end) if chunk.rows_for is not None else None
             rows.append(PrefetchedRows(fetch, row_ids, self.model) if fetch is not None else row_ids)
-            parts.append(SharedAttention(start=start, cache=seq.cache, emit_entries=not chunk.replay,
-                                         window_floor=start if chunk.replay else 0,
-                                         scored=seq.counters.indexer_scored))
-        sizes = [chunk.size for chunk in chunks]
+            replay = i >= len(seqs) and chunks[i - len(seqs)].replay
+            scored = (seqs[i] if i < len(seqs) else chunks[i - len(seqs)].seq).counters.indexer_scored
+            parts.append(SharedAttention(start=start, cache=cache, emit_entries=not replay,
+                                         window_floor=start if replay else 0, scored=scored))
         shared, rows = _shared(parts, sizes), rows[0] if len(rows) == 1 else self._batch_rows(rows)
         x, pre_mix = torch.cat(xs, dim=1), torch.cat(pre_mixes, dim=1)
-        mask = _batch_mask([chunk.spans for chunk in chunks], [chunk.start for chunk in chunks], sizes)
+        mask = _batch_mask(spans, starts, sizes)
         live = None if mask is None else ~mask
         for layer in self.encoder:
             x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live, mask)
+        stepped = sum(sizes[: len(seqs)])
+        for seq, own_ids in zip(seqs, tokens, strict=True):
+            seq.counters.encoder_layer_tokens += len(own_ids) * len(self.encoder)
+            seq.cache.length += len(own_ids)
+            seq.count_pages()
+        steps_out = (x[:, :stepped], pre_mix[:, :stepped]) if seqs else None
+        return self._finish_chunks(chunks, parts[len(seqs):], x[:, stepped:], pre_mix[:, stepped:]), steps_out
+
+    def _finish_chunks(self, chunks: list[PromptChunk], parts: list[SharedAttention], x: torch.Tensor,
+                       pre_mix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """After the encoder layers: the decoder's global KV CED-projected from each chunk's output,
+        and each chunk's streams from its keep_from on."""
+        if not chunks:
+            return []
+        first_decoder, sizes = self.decoder[0], [chunk.size for chunk in chunks]
         x20 = None if chunks[0].replay else first_decoder.attn_norm(mhc.collapse(x, pre_mix))
         out = []
         for chunk, part, own, own_mix, own_x20 in zip(chunks, parts, x.split(sizes, dim=1),
@@ -428,35 +489,11 @@ class InferenceCore:
         advances the cache length. `fetch_rows()` supplies prefetched Engram rows."""
         return self.encode_tokens_batch([seq], [tokens], [fetch_rows], [spans] if spans else None)
 
-    @torch.inference_mode()
     def encode_tokens_batch(self, seqs: list[Sequence], tokens: list[list[int]], fetch_rows: list | None = None,
                             spans: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`encode_tokens` for several sequences: their streams concatenated along the sequence axis.
         `spans[i]`: sequence i's image spans (None: text only)."""
-        for seq, ids in zip(seqs, tokens, strict=True):  # pages first: a full pool changes nothing
-            self._check_step(seq, ids)
-            seq.cache.reserve(seq.cache.length + len(ids), self.encoder_ids)
-        parts, xs, pre_mixes, rows = [], [], [], []
-        spans = spans or [None] * len(seqs)
-        mask = _batch_mask(spans, [seq.cache.length for seq in seqs], [len(ids) for ids in tokens])
-        for seq, ids, fetch, own in zip(seqs, tokens, fetch_rows or [None] * len(seqs), spans, strict=True):
-            cache, start = seq.cache, seq.cache.length
-            x, pre_mix, row_ids, _ = self.model.begin(torch.tensor([ids]), start, cache,
-                                                      image_mask(own, start, len(ids)), own)
-            xs.append(x)
-            pre_mixes.append(pre_mix)
-            rows.append(PrefetchedRows(fetch, row_ids, self.model) if fetch is not None else row_ids)
-            parts.append(SharedAttention(start=start, cache=cache, scored=seq.counters.indexer_scored))
-        shared = _shared(parts, [len(ids) for ids in tokens])
-        x, pre_mix, rows = torch.cat(xs, dim=1), torch.cat(pre_mixes, dim=1), self._batch_rows(rows)
-        live = None if mask is None else ~mask
-        for layer in self.encoder:
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, rows, live, mask)
-        for seq, ids in zip(seqs, tokens, strict=True):
-            seq.counters.encoder_layer_tokens += len(ids) * len(self.encoder)
-            seq.cache.length += len(ids)
-            seq.count_pages()
-        return x, pre_mix
+        return self.encode_batch([], seqs, tokens, fetch_rows, spans)[1]
 
     def _check_step(self, seq: Sequence, ids: list[int]) -> None:
         if not ids:
@@ -478,27 +515,11 @@ class InferenceCore:
         logits, hidden = self.decode_streams_batch([seq], x, pre_mix, [start], [x.size(1)], [spans] if spans else None)
         return logits[0], hidden[0]
 
-    @torch.inference_mode()
     def decode_streams_batch(self, seqs: list[Sequence], x: torch.Tensor, pre_mix: torch.Tensor, starts: list[int],
                              sizes: list[int],
                              spans: list | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """`decode_streams` for several sequences whose streams are concatenated (sizes[i] each)."""
-        for seq, start, size in zip(seqs, starts, sizes, strict=True):  # pages first: a full pool changes nothing
-            self.model.check_span(start, size, seq.cache)
-            seq.cache.reserve(start + size, self.decoder_ids)
-        parts = [SharedAttention(start=start, cache=seq.cache, scored=seq.counters.indexer_scored)
-                 for seq, start in zip(seqs, starts, strict=True)]
-        targets: list[torch.Tensor] = []
-        shared = _shared(parts, sizes)
-        mask = _batch_mask(spans, starts, sizes)
-        for layer in self.decoder:
-            x, pre_mix = self.model.run_layer(layer, x, pre_mix, shared, image_mask=mask, targets=targets)
-        for seq, start, size in zip(seqs, starts, sizes, strict=True):
-            seq.counters.decoder_layer_tokens += size * len(self.decoder)
-            seq.cache.length = start + size
-            seq.count_pages()
-        logits = self.model.finish(x, pre_mix, shared.split_sizes)[1][0]
-        return list(logits.split(sizes)), list(torch.cat(targets, dim=-1)[0].split(sizes))
+        return self.decode_batch([], seqs, x, pre_mix, starts, sizes, spans)[1]
 
     @staticmethod
     @torch.inference_mode()

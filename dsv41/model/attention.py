@@ -8,6 +8,7 @@ the Top-k of their group's latest Full/Reindex layer for the same query position
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,16 @@ class SharedBatch:
         (fp32 GEMMs, gates) runs per sequence, as alone. One token each included: MKL's fp32 GEMM
         on AVX2 sums a row in one order alone, another beside one or two rows, a third beside more."""
         return self.sizes if len(self.sizes) > 1 else None
+
+    def decode_tokens(self) -> list[int]:
+        """The parts that step one token on a packed cache (attention runs them through the
+        packed-cache kernel as a batch of their own) when the batch also holds other work; else []."""
+        if self.one_decode_token_each:
+            return []
+        steps = [i for i, (part, size) in enumerate(zip(self.parts, self.sizes, strict=True))
+                 if size == 1 and part.start > 0 and part.cache.packed]
+        steps = [i for i in steps if self.parts[i].cache.pools is self.parts[steps[0]].cache.pools]
+        return steps if len(steps) < len(self.parts) else []
 
     @property
     def one_decode_token_each(self) -> bool:
@@ -287,6 +298,8 @@ class Attention(nn.Module):
             pieces = [piece.split(shared.sizes, dim=1) for piece in (x, qr, q, kv)]
             o = torch.cat([self._attend_training(*piece, table, part)
                            for *piece, part in zip(*pieces, shared.parts, strict=True)], dim=1)
+        elif isinstance(shared, SharedBatch) and shared.decode_tokens():
+            o = self._attend_mixed(x, qr, q, kv, table, rows, shared)
         elif isinstance(shared, SharedBatch):
             o = self._attend_batch(x, qr, q, kv, table, rows, shared)
         else:
@@ -312,6 +325,28 @@ class Attention(nn.Module):
         """Attention over values in hand (a forward from position 0, or a bf16 decode cache)."""
         values, idx = self._keys_and_table(x, qr, kv, table, shared)
         return sparse_attention(q, values, self.attn_sink, idx, self.head_dim**-0.5)
+
+    def _attend_mixed(self, x, qr, q, kv, table, rows, batch: SharedBatch) -> torch.Tensor:
+        """A batch of one-token decode steps beside other work (prompt chunks, replays, longer
+        steps): the decode tokens attend as they do in a batch of their own (the packed-cache
+        kernel), the others as they would without them, so each sequence gets the bits it gets
+        alone; the outputs go back in the batch's order."""
+        decoding = batch.decode_tokens()
+        offsets = [0, *itertools.accumulate(batch.sizes)][:-1]
+        mine = torch.tensor([offsets[i] for i in decoding])
+        others = sorted(set(range(len(batch.parts))) - set(decoding))
+        rest = torch.cat([torch.arange(offsets[i], offsets[i] + batch.sizes[i]) for i in others])
+        stepped = self._decode_packed(x[:, mine], qr[:, mine], q[0, mine], kv[:, mine], table,
+                                      [batch.parts[i] for i in decoding])
+        x, qr, q, kv, rows = x[:, rest], qr[:, rest], q[:, rest], kv[:, rest], rows[rest]
+        if len(others) == 1:
+            rest_out = self._attend_one(x, qr, q, kv, table, batch.parts[others[0]])
+        else:
+            rest_out = self._attend_batch(x, qr, q, kv, table, rows, SharedBatch(
+                [batch.parts[i] for i in others], [batch.sizes[i] for i in others], batch.trace))
+        o = rest_out.new_empty(1, sum(batch.sizes), *rest_out.shape[2:])
+        o[:, mine], o[:, rest] = stepped, rest_out
+        return o
 
     def _attend_batch(self, x, qr, q, kv, table, rows, batch: SharedBatch) -> torch.Tensor:
         """Several sequences' tokens, any number each (x [1, sum of sizes, dim]): each sequence's
