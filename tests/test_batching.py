@@ -119,7 +119,8 @@ def test_a_long_prompt_is_prefilled_between_the_steps_of_a_decoding_stream(root)
         # the 25 chunks of B's prompt leave room for about one step of A each; served without
         # interleaving, A would stall for the whole prefill (at most the step already in flight)
         assert during >= 8, log
-        # B's chunks ran in the encoder passes of A's steps while one was out at the decoder
+        # some of B's chunks ran in the encoder passes of A's steps (a step that comes while a chunk
+        # runs waits in the inbox, and takes the next chunk with it)
         encoder = supervisor.peer("encoder")
         assert encoder.ping().counters["chunks_beside_steps"] > 0
         encoder.close()

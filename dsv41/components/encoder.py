@@ -150,9 +150,6 @@ class EncoderComponent(Component):
         # prefills in progress, oldest first: one batch of their chunks runs per turn of the loop, so
         # the steps of requests already decoding are served between the chunks of a long prompt
         self.jobs: dict[int, Job] = {}
-        # batched steps whose decoder half is out: while one is, the next comes soon, and prompt chunks
-        # wait to run in it (sharing its per-token work) rather than alone
-        self.steps_out = 0
         self.beside_step = False  # prefills resumed after a step's encoder pass, before its decoder half is sent
         self._full_jobs: set[int] = set()  # jobs whose chunks the decoder has seen
 
@@ -193,8 +190,8 @@ class EncoderComponent(Component):
         if job.pending is None:
             self._resume(rid, None)
             return True
-        if self.steps_out and not job.pending.replay:
-            return False  # the next batched step comes after the one out: the chunks join it (`_batch_step`)
+        if self.inbox_size() and not job.pending.replay:
+            return False  # a message waits (a batched step, mostly): the chunks join the step (`_batch_step`)
         batch = [rid]
         if not job.pending.replay:
             batch += self._joining(PREFILL_BATCH - 1, but=rid)
@@ -477,17 +474,8 @@ class EncoderComponent(Component):
         out = m.Frames()
         request = m.DecoderBatchStep(request_id=message.request_id, request_ids=rids, starts=starts, sizes=sizes,
                                      streams=out.add(x), pre_mix=out.add(pre_mix), verify=verify if any(verify) else [])
-
-        def finish(answer: m.BatchLogits) -> m.BatchLogits:
-            self.steps_out -= 1
-            return msgspec.structs.replace(answer, errors=errors + list(answer.errors))
-
-        def fail(*error) -> None:
-            self.steps_out -= 1
-            reply(m.error_reply(message.request_id, *error))
-
-        self.decoder.send(request, out, functools.partial(self._pass_on, reply, message.request_id, finish, fail))
-        self.steps_out += 1
+        self._send_on(reply, request, out, lambda answer: msgspec.structs.replace(
+            answer, errors=errors + list(answer.errors)))
 
     def _encode_with_chunks(self, seqs: list[Sequence], tokens: list[list[int]], fetches: list):
         """A batched step's encoder half, with the prompt chunks that wait (up to PREFILL_BATCH) in
