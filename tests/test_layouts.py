@@ -131,3 +131,26 @@ def test_packed_rows_with_special_values_unpack_to_the_fake_quantization(rng, fm
     decoded = codecs.e4m3_decode(scales) if fmt.e4m3_scale else codecs.e8m0_decode(scales)
     assert decoded.isfinite().all() and (decoded > 0).all()  # no block lost to a NaN or zero scale
     assert unpack_rows(packed, fmt)[1, 16:32].eq(0).all()
+
+
+@pytest.mark.parametrize("fmt", [main_kv_format(512), index_k_format(128), swa_format(512), main_kv_format(64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unpacking_by_table_gives_the_bits_of_decoding_then_scaling(fmt, dtype):
+    """`unpack_rows` looks each code byte up with its block's scale byte in one table; every
+    (scale, code) pair, NaN codes and scales included, gives the bits of decoding the codes and the
+    scales and multiplying them in the working dtype."""
+    codes = torch.arange(fmt.code_bytes, dtype=torch.int32)
+    rows = []
+    for scale in range(256):
+        for first in range(0, 256, fmt.code_bytes):
+            row_codes = (codes + first) % 256
+            rows.append(torch.cat([row_codes, torch.full((fmt.scale_bytes,), scale, dtype=torch.int32)]))
+    packed = torch.stack(rows).to(torch.uint8)
+    code_bytes, scale_bytes = packed[:, : fmt.code_bytes], packed[:, fmt.code_bytes :]
+    values = codecs.e2m1_decode_bytes(code_bytes, dtype) if fmt.fp4 else codecs.e4m3_decode(code_bytes, dtype)
+    scales = codecs.e4m3_decode(scale_bytes, dtype) if fmt.e4m3_scale else codecs.e8m0_decode(scale_bytes).to(dtype)
+    want = (values.unflatten(-1, (-1, fmt.block)) * scales.unsqueeze(-1)).flatten(-2)
+    got = unpack_rows(packed, fmt, dtype)
+    as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert got.dtype == dtype and torch.equal(got.view(as_int), want.view(as_int))
+    assert want.isnan().any()  # the NaN codes and scales were among them

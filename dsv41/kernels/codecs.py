@@ -65,6 +65,32 @@ def e2m1_decode_bytes(packed: torch.Tensor, dtype: torch.dtype = torch.float32) 
     return pairs.view(dtype).view(*packed.shape[:-1], 2 * packed.size(-1))
 
 
+_AS_INT = {(torch.bfloat16, 1): torch.int16, (torch.float32, 1): torch.int32, **{
+    (dtype, 2): as_int for dtype, as_int in _PAIR_AS_INT.items()}}
+
+
+def scaled_code_table(fp4: bool, e4m3_scale: bool, block: int, dtype: torch.dtype,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """Every (scale byte, code byte) pair's dequantized values, at index scale << 8 | code, as
+    integers holding the byte's values in dtype (two for E2M1, one for E4M3). Each is computed as
+    unpacking computes it (the code's value times its block's scale, in dtype, blocks of `block`
+    channels), NaN bits included, so a lookup gives the bits of decoding and scaling in one pass."""
+    return _scaled_code_table(fp4, e4m3_scale, block, dtype, torch.device(device))
+
+
+@functools.cache
+def _scaled_code_table(fp4: bool, e4m3_scale: bool, block: int, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = (_E2M1_BYTE_PAIRS.to(dtype) if fp4 else e4m3_decode(codes, dtype).unsqueeze(-1)).flatten()
+    scales = e4m3_decode(codes, dtype) if e4m3_scale else e8m0_decode(codes).to(dtype)
+    per_byte = 2 if fp4 else 1
+    rows = values.expand(256, -1).contiguous()  # row s: every code byte's values, scaled by scale s
+    scale = scales.unsqueeze(-1).expand(256, rows.size(-1) // block).contiguous()
+    table = (rows.unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2)
+    return table.view(256, 256, per_byte).view(_AS_INT[dtype, per_byte]).flatten().to(device)
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[..., K] 4-bit codes -> [..., K/2] bytes, the even element in the low nibble."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()

@@ -84,6 +84,12 @@ def unpack_rows(packed: torch.Tensor, fmt: EntryFormat, dtype: torch.dtype = tor
     # A code times its power-of-two or E4M3 scale has at most 6 significant bits, so the product
     # is exact in fp32: computing in bf16 gives that product rounded to bf16 once, with half the traffic.
     work = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    if packed.device.type == "cpu":  # one lookup per code byte of its value(s) times its block's scale
+        table = codecs.scaled_code_table(fmt.fp4, fmt.e4m3_scale, fmt.block, work)
+        code_bytes = codes.view(torch.uint8).unflatten(-1, (fmt.scale_bytes, -1)).int()
+        index = code_bytes | (scale_codes.view(torch.uint8).int() << 8).unsqueeze(-1)
+        values = table.index_select(0, index.flatten()).view(work)
+        return values.view(*packed.shape[:-1], fmt.dim).to(dtype)
     values = codecs.e2m1_decode_bytes(codes, work) if fmt.fp4 else codecs.e4m3_decode(codes, work)
     scale = codecs.e4m3_decode(scale_codes, work) if fmt.e4m3_scale else codecs.e8m0_decode(scale_codes).to(work)
     return (values.unflatten(-1, (-1, fmt.block)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
