@@ -86,8 +86,8 @@ def unpack_rows(packed: torch.Tensor, fmt: EntryFormat, dtype: torch.dtype = tor
     work = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     if packed.device.type == "cpu":  # one lookup per code byte of its value(s) times its block's scale
         table = codecs.scaled_code_table(fmt.fp4, fmt.e4m3_scale, fmt.block, work)
-        code_bytes = codes.view(torch.uint8).unflatten(-1, (fmt.scale_bytes, -1)).int()
-        index = code_bytes | (scale_codes.view(torch.uint8).int() << 8).unsqueeze(-1)
+        code_bytes = codes.view(torch.uint8).unflatten(-1, (fmt.scale_bytes, -1))
+        index = code_bytes + (scale_codes.view(torch.uint8).int() << 8).unsqueeze(-1)  # (one int32 pass)
         values = table.index_select(0, index.flatten()).view(work)
         return values.view(*packed.shape[:-1], fmt.dim).to(dtype)
     values = codecs.e2m1_decode_bytes(codes, work) if fmt.fp4 else codecs.e4m3_decode(codes, work)
