@@ -8,6 +8,7 @@ the Top-k of their group's latest Full/Reindex layer for the same query position
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -72,6 +73,11 @@ class SharedBatch:
     @property
     def capacity(self) -> int:
         return max(part.cache.capacity for part in self.parts)
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """Every token's position, in the batch's order (the parts' starts hold through a forward)."""
+        return torch.cat([torch.arange(p.start, p.start + n) for p, n in zip(self.parts, self.sizes, strict=True)])
 
     @property
     def split_sizes(self) -> list[int] | None:
@@ -283,11 +289,7 @@ class Attention(nn.Module):
         one decode token per sequence through the packed-cache kernel, other batches over the keys
         each sequence's own state gives (`_attend_batch`)."""
         b, s, _ = x.shape
-        if isinstance(shared, SharedBatch):
-            rows = table[torch.cat([torch.arange(p.start, p.start + n) for p, n in zip(shared.parts, shared.sizes,
-                                                                                       strict=True)])]
-        else:
-            rows = table[shared.start : shared.start + s]
+        rows = table[shared.positions] if isinstance(shared, SharedBatch) else table[shared.start : shared.start + s]
         q_low, kv = self.q_and_kv(x)
         qr = self.q_norm(q_low)
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
