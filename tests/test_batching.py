@@ -338,6 +338,20 @@ def test_a_replay_the_encoder_sends_before_a_step_waits_for_it_and_runs_in_its_p
     (answer, frames), = answers[9202]
     assert answer.request_ids == [9200] and torch.equal(m.tensor(answer.logits, frames)[-1],
                                                         expected_step(decoding, 7))
+    # a step none of whose requests can be stepped still ends the wait: the replay runs at the next turn
+    prefill(9206, late, step_follows=True)
+    out = m.Frames()
+    empty = m.DecoderBatchStep(request_id=9207, request_ids=[4242], starts=[0], sizes=[1],
+                               streams=out.add(torch.zeros(1, 1, 4, decoder.core.model.config.text_config.hidden_size,
+                                                           dtype=torch.bfloat16)),
+                               pre_mix=out.add(torch.zeros(1, 1, 4, dtype=torch.float32)))
+    decoder.handle(*m.decode(m.encode(empty, out)), answer_to(9207))
+    (answer, _), = answers[9207]
+    assert answer.request_ids == [] and answer.errors[0].code == m.ErrorCode.UNKNOWN_REQUEST
+    assert decoder.tick()
+    (answer, frames), = answers[9206]
+    _, want = core.prefill(late, "ced", capacity=len(late) + 8, packed=True)
+    assert torch.equal(m.tensor(answer.logits, frames)[-1], want)
     # the step did not come in time: the replay runs alone
     prefill(9203, late, step_follows=True)
     decoder.replays[9203].step_due = time.monotonic() - 1

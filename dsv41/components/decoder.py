@@ -213,6 +213,8 @@ class DecoderComponent(Component):
         sizes = [message.sizes[i] for i in keep]
         out = m.Frames()
         logits, hidden = torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.bfloat16)
+        for waiting in self.replays.values():  # the step they waited for is here; past REPLAY_BATCH or
+            waiting.step_due = 0.0  # with no request of it left to step, they run at the next idle turn
         if keep:
             x, pre_mix = (torch.cat([t.split(message.sizes, dim=1)[i] for i in keep], dim=1) for t in (x, pre_mix))
             starts = [message.starts[i] for i in keep]
