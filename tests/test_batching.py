@@ -76,6 +76,19 @@ def assert_idle(supervisor: Supervisor) -> dict[str, int]:
             peer.close()
 
 
+def decoder_prefill(core, group: int, rid: int, prompt: list[int], step_follows: bool = False):
+    """The `DecoderPrefill` the encoder sends for a `ced` prompt, computed by `core` in process, as
+    the decoder receives it: (message, frames, the in-process sequence)."""
+    seq, _ = core.new_sequence(prompt, len(prompt) + 8, packed=True)
+    x, pre_mix, starts = core.encode_prompt(seq, torch.tensor([prompt]), False)
+    entries, n, out = seq.cache.groups[group], len(prompt), m.Frames()
+    request = m.DecoderPrefill(request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
+                               main_kv=out.add(entries.main_kv.raw(slice(0, n))),
+                               index_k=out.add(entries.index_k.raw(slice(0, n))), streams=out.add(x),
+                               pre_mix=out.add(pre_mix), step_follows=step_follows)
+    return *m.decode(m.encode(request, out)), seq
+
+
 @pytest.fixture(scope="module")
 def root():
     path = short_dir()
@@ -242,14 +255,7 @@ def test_decoder_replays_wait_for_the_inbox_and_a_release_answers_a_waiting_one(
     answers: dict[int, list] = {}
 
     def prefill(rid: int, prompt: list[int]) -> None:
-        seq, _ = core.new_sequence(prompt, len(prompt) + 8, packed=True)
-        x, pre_mix, starts = core.encode_prompt(seq, torch.tensor([prompt]), False)
-        group, n, out = seq.cache.groups[decoder.group], len(prompt), m.Frames()
-        request = m.DecoderPrefill(request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
-                                   main_kv=out.add(group.main_kv.raw(slice(0, n))),
-                                   index_k=out.add(group.index_k.raw(slice(0, n))), streams=out.add(x),
-                                   pre_mix=out.add(pre_mix))
-        message, frames = m.decode(m.encode(request, out))
+        message, frames, _ = decoder_prefill(core, decoder.group, rid, prompt)
         decoder.handle(message, frames, lambda answer, out=None, rid=rid: answers.setdefault(rid, []).append(
             (answer, m.decode(m.encode(answer, out))[1])))
 
@@ -303,14 +309,8 @@ def test_a_replay_the_encoder_sends_before_a_step_waits_for_it_and_runs_in_its_p
         return lambda answer, out=None: answers.setdefault(rid, []).append((answer, m.decode(m.encode(answer, out))[1]))
 
     def prefill(rid: int, prompt: list[int], step_follows: bool):
-        seq, _ = core.new_sequence(prompt, len(prompt) + 8, packed=True)
-        x, pre_mix, starts = core.encode_prompt(seq, torch.tensor([prompt]), False)
-        group, n, out = seq.cache.groups[decoder.group], len(prompt), m.Frames()
-        request = m.DecoderPrefill(request_id=rid, length=n, capacity=seq.cache.capacity, starts=starts, kv_from=0,
-                                   main_kv=out.add(group.main_kv.raw(slice(0, n))),
-                                   index_k=out.add(group.index_k.raw(slice(0, n))), streams=out.add(x),
-                                   pre_mix=out.add(pre_mix), step_follows=step_follows)
-        decoder.handle(*m.decode(m.encode(request, out)), answer_to(rid))
+        message, frames, seq = decoder_prefill(core, decoder.group, rid, prompt, step_follows)
+        decoder.handle(message, frames, answer_to(rid))
         return seq
 
     def step(batch_id: int, seq, rid: int, token: int):
