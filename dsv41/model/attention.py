@@ -86,9 +86,11 @@ class SharedBatch:
         on AVX2 sums a row in one order alone, another beside one or two rows, a third beside more."""
         return self.sizes if len(self.sizes) > 1 else None
 
+    @functools.cached_property
     def decode_tokens(self) -> list[int]:
         """The parts that step one token on a packed cache (attention runs them through the
-        packed-cache kernel as a batch of their own) when the batch also holds other work; else []."""
+        packed-cache kernel as a batch of their own) when the batch also holds other work; else [].
+        Found once per forward: every layer asks."""
         if self.one_decode_token_each:
             return []
         steps = [i for i, (part, size) in enumerate(zip(self.parts, self.sizes, strict=True))
@@ -300,7 +302,7 @@ class Attention(nn.Module):
             pieces = [piece.split(shared.sizes, dim=1) for piece in (x, qr, q, kv)]
             o = torch.cat([self._attend_training(*piece, table, part)
                            for *piece, part in zip(*pieces, shared.parts, strict=True)], dim=1)
-        elif isinstance(shared, SharedBatch) and shared.decode_tokens():
+        elif isinstance(shared, SharedBatch) and shared.decode_tokens:
             o = self._attend_mixed(x, qr, q, kv, table, rows, shared)
         elif isinstance(shared, SharedBatch):
             o = self._attend_batch(x, qr, q, kv, table, rows, shared)
@@ -333,7 +335,7 @@ class Attention(nn.Module):
         steps): the decode tokens attend as they do in a batch of their own (the packed-cache
         kernel), the others as they would without them, so each sequence gets the bits it gets
         alone; the outputs go back in the batch's order."""
-        decoding = batch.decode_tokens()
+        decoding = batch.decode_tokens
         offsets = [0, *itertools.accumulate(batch.sizes)][:-1]
         mine = torch.tensor([offsets[i] for i in decoding])
         others = sorted(set(range(len(batch.parts))) - set(decoding))
