@@ -30,20 +30,27 @@ def test_sinkhorn_columns_always_sum_to_one_and_skewed_rows_need_more_iterations
     assert (comb.sum(-1) - 1).abs().max() < row_error_20 / 5
 
 
-def test_sinkhorn_through_numpy_gives_the_torch_iterations_bits(rng):
-    # Inference on the CPU runs the iterations through numpy; they must be the torch code's bits,
-    # at decode and prefill shapes, with spreads wide enough that some exponentials underflow.
+def test_sinkhorn_compiled_loop_gives_the_torch_iterations_bits(rng):
+    # Inference on the CPU runs the iterations as one compiled loop (kernels/cpu_loops.py); they
+    # must be the torch code's bits, at decode and prefill shapes and other stream counts (torch
+    # sums more than 4 values in another order: those stay on the torch code), with spreads wide
+    # enough that some exponentials underflow.
     eps, two = torch.tensor(1e-6), torch.tensor(2.0)
-    for shape, spread in (((1, 1), 1.0), ((8, 1), 3.0), ((1, 37), 10.0), ((2, 300), 40.0)):
-        mixes = torch.randn(*shape, 24, generator=rng) * spread
-        scale, base = torch.rand(3, generator=rng) * 2 + 0.25, torch.randn(24, generator=rng)
+    cases = (((1, 1), 1.0, 4), ((8, 1), 3.0, 4), ((1, 37), 10.0, 4), ((3, 5), 5.0, 2), ((1, 9), 5.0, 3),
+             ((1, 9), 5.0, 6), ((2, 300), 40.0, 4))
+    for shape, spread, hc in cases:
+        mixes = torch.randn(*shape, (2 + hc) * hc, generator=rng) * spread
+        scale, base = torch.rand(3, generator=rng) * 2 + 0.25, torch.randn((2 + hc) * hc, generator=rng)
         if spread == 40.0:  # one comb row whose logits lie 200+ apart: its exponential underflows for sure
             mixes[0, 0, 8:10] = torch.tensor([400.0, -400.0])
-        expected = mhc._split(mixes, scale, base, eps, two, 4, 20)
+        expected = mhc._split(mixes, scale, base, eps, two, hc, 20)
         with torch.inference_mode():
-            got = mhc.sinkhorn_split(mixes, scale, base, hc=4, iters=20, eps=1e-6)
+            got = mhc.sinkhorn_split(mixes, scale, base, hc=hc, iters=20, eps=1e-6)
         for want, have in zip(expected, got, strict=True):
-            assert torch.equal(want, have), shape
+            assert torch.equal(want, have), (shape, hc)
+        if hc <= mhc.FIRST_TO_LAST_SUMS:  # the loop itself, not only the path that chose it
+            comb = mhc._gates(mixes, scale, base, eps, two, hc)[2]
+            assert torch.equal(mhc._normalize_in_place(comb.clone(), 1e-6, 20), mhc._normalize(comb, eps, 20))
     assert (mhc._gates(mixes, scale, base, eps, two, 4)[2] == 0).any()  # the widest spread underflows
 
 
