@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dsv41.kernels import codecs
+from dsv41.kernels import codecs, cpu_loops
 from dsv41.model import quant
-from dsv41.model.layers import Linear, Storage
+from dsv41.model.layers import Linear, Storage, quantize_rows
 
 from .conftest import GOLDEN
 
@@ -232,6 +232,36 @@ def test_grouped_block_scaled_matmul_is_each_groups_block_scaled_matmul(rng):
     for g in range(3):
         want = quant.block_scaled_matmul(a[g], a_scale[g], w[g], w_scale[g])
         assert torch.equal(got[g].view(torch.int32), want.view(torch.int32))
+
+
+def test_quantize_rows_loop_gives_fp8_quant_bits(rng):
+    """The CPU loop behind `quantize_rows` gives `fp8_quant`'s values and scales bit for bit: wide
+    ranges in fp32 and bf16, values exactly halfway between two E4M3 values (normal and
+    subnormal: ties go to even), blocks of signed zeros and of values below the 1e-4 amax floor,
+    and rows with NaN or infinity (the general path)."""
+    def check(x: torch.Tensor) -> None:
+        want_q, want_s = quant.fp8_quant(x)
+        values, scale = quantize_rows(x)
+        assert torch.equal(values.view(torch.int32), want_q.reshape(values.shape).float().view(torch.int32))
+        assert torch.equal(scale.view(torch.int32), want_s.reshape(scale.shape).view(torch.int32))
+
+    block_scales = torch.exp(torch.randn(5, 3, 8, 1, generator=rng) * 8).expand(-1, -1, -1, 32)
+    x = torch.randn(5, 3, 256, generator=rng) * block_scales.flatten(-2)
+    check(x)
+    check(x.bfloat16())
+    rows = x.reshape(-1, 256)  # finite rows: the loop itself answered, not the general path
+    assert cpu_loops.fp8_quantize_rows(rows.numpy(), torch.empty_like(rows).numpy(), rows.new_empty(15, 8).numpy())
+    block = torch.randn(32, generator=rng) * 40
+    scale = quant.fp8_quant(block)[1]
+    ties = torch.tensor([1.0625, 1.1875, 3.25 + 0.125, -1.0625, 2.0**-10, 3 * 2.0**-10, -5 * 2.0**-10, 7.5 * 2.0**-9])
+    block[1 : 1 + ties.numel()] = ties * scale  # |ties| * scale stays below the block's amax
+    assert quant.fp8_quant(block)[1] == scale
+    zeros = torch.tensor([-0.0, 0.0] * 16)
+    tiny = torch.randn(32, generator=rng) * 1e-7
+    check(torch.stack([block, zeros, tiny]))
+    special = torch.randn(3, 64, generator=rng)
+    special[0, 5], special[2, 40] = float("nan"), -float("inf")
+    check(special)
 
 
 def _random_linear(n_in: int, n_out: int, storage: Storage, rng: torch.Generator) -> Linear:
