@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv41.config import index_k_entry_bytes, load_config, main_kv_entry_bytes, swa_entry_bytes
-from dsv41.kernels import codecs
+from dsv41.kernels import codecs, cpu_loops
 from dsv41.kernels.layouts import (
     index_k_format,
     main_kv_format,
@@ -13,7 +13,7 @@ from dsv41.kernels.layouts import (
     swa_format,
     unpack_rows,
 )
-from dsv41.model.quant import fp8_qdq, main_kv_qdq, mxfp4_qdq
+from dsv41.model.quant import fp8_qdq, fp8_quant, main_kv_qdq, mxfp4_qdq
 
 
 def test_entry_sizes_are_288_68_528_by_construction():
@@ -154,3 +154,26 @@ def test_unpacking_by_table_gives_the_bits_of_decoding_then_scaling(fmt, dtype):
     as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert got.dtype == dtype and torch.equal(got.view(as_int), want.view(as_int))
     assert want.isnan().any()  # the NaN codes and scales were among them
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swa_rows_packed_by_the_loop_are_the_operators_bytes(rng, dtype):
+    """SWA rows on the CPU are packed by one compiled loop (`cpu_loops.fp8_pack_rows`); its bytes
+    are those of fp8_quant's codes and the scales' E8M0 bytes, over wide ranges, values halfway
+    between two E4M3 values, signed zeros and values below the amax floor; rows with a NaN or an
+    infinity take the operators."""
+    fmt = swa_format(128)
+    x = torch.randn(6, 4, 128, generator=rng) * torch.exp(torch.randn(6, 4, 4, 1, generator=rng) * 8).expand(
+        -1, -1, -1, 32).flatten(-2)
+    x[0, 0, :32] = torch.tensor([-0.0, 0.0] * 16)
+    x[0, 1, :32] = torch.randn(32, generator=rng) * 1e-7
+    x[0, 2, :8] = torch.tensor([448.0, 1.0625, 1.1875, -3.375, 2.0**-10, 3 * 2.0**-10, -5 * 2.0**-10, 7.5 * 2.0**-9])
+    x = x.to(dtype)
+    values, scale = fp8_quant(x, 32)
+    want = torch.cat([values.view(torch.uint8), codecs.e8m0_encode(scale, "up")], dim=-1)
+    rows = x.reshape(-1, 128).float()
+    assert cpu_loops.fp8_pack_rows(rows.numpy(), torch.empty(24, fmt.entry_bytes, dtype=torch.uint8).numpy())
+    assert torch.equal(pack_rows(x, fmt), want)
+    x[1, 1, 7], x[2, 0, 90] = float("nan"), float("inf")
+    values, scale = fp8_quant(x, 32)
+    assert torch.equal(pack_rows(x, fmt), torch.cat([values.view(torch.uint8), codecs.e8m0_encode(scale, "up")], -1))

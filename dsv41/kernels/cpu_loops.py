@@ -45,41 +45,89 @@ def sinkhorn_normalize(comb: np.ndarray, eps: float, iters: int) -> None:
 
 
 FP8_BLOCK = 32  # activation values per power-of-two scale
+_FP8_MAX = np.float32(448.0)
+_SMALLEST_NORMAL, _SUBNORMAL_STEPS = np.float32(2.0**-6), np.float32(512.0)
+
+
+@numba.njit(cache=True, nogil=True)
+def _fp8_scale(x: np.ndarray, r: int, start: int, cell: np.ndarray) -> float:
+    """The power-of-two scale of the block x[r, start:start+32] as `quant.fp8_quant` finds it
+    (amax clamped to >= 1e-4, the ceiling of amax * (1/448) by adding to its bits), or -1 where the
+    block holds a NaN or infinity. `cell`: a float32 scratch of one element."""
+    amax = np.float32(0.0)
+    for i in range(start, start + FP8_BLOCK):
+        a = abs(x[r, i])
+        if not a < np.inf:
+            return -1.0
+        amax = max(amax, a)
+    cell[0] = max(amax, np.float32(1e-4)) * np.float32(1.0 / 448.0)
+    bits = cell.view(np.uint32)
+    bits[0] = (bits[0] + np.uint32(0x7FFFFF)) & np.uint32(0x7F800000)
+    return cell[0]
+
+
+@numba.njit(cache=True, nogil=True)
+def _e4m3_rounded(v: float, cell: np.ndarray) -> float:
+    """v clamped to ±448 and rounded to the nearest E4M3 value, ties to even (below 2^-6 in steps of
+    2^-9), as torch's float8_e4m3fn cast rounds; the sign kept (-0 too)."""
+    v = min(max(np.float32(v), -_FP8_MAX), _FP8_MAX)
+    a = abs(v)
+    if a < _SMALLEST_NORMAL:
+        rounded = np.float32(np.rint(a * _SUBNORMAL_STEPS) / _SUBNORMAL_STEPS)
+    else:
+        cell[0] = a
+        bits = cell.view(np.uint32)
+        bits[0] = (bits[0] + np.uint32(0x7FFFF) + ((bits[0] >> np.uint32(20)) & np.uint32(1))) & np.uint32(0xFFF00000)
+        rounded = cell[0]
+    return np.float32(np.copysign(rounded, v))
+
+
+@numba.njit(cache=True, nogil=True)
+def _e4m3_code(rounded: float, cell: np.ndarray) -> int:
+    """The E4M3 byte of a value `_e4m3_rounded` returned."""
+    cell[0] = rounded
+    bits = cell.view(np.uint32)[0]
+    sign = (bits >> np.uint32(24)) & np.uint32(0x80)
+    magnitude = abs(np.float32(rounded))
+    if magnitude < _SMALLEST_NORMAL:
+        return sign | np.uint32(np.rint(magnitude * _SUBNORMAL_STEPS))
+    exponent = ((bits >> np.uint32(23)) & np.uint32(0xFF)) - np.uint32(127 - 7)
+    return sign | (exponent << np.uint32(3)) | ((bits >> np.uint32(20)) & np.uint32(7))
 
 
 @numba.njit(cache=True, nogil=True)
 def fp8_quantize_rows(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> bool:
     """`quant.fp8_quant` of float32 rows x [rows, K], its E4M3 values written as float32 into values
     [rows, K] and its scales into scales [rows, K/32]; False (outputs unfinished) at the first NaN
-    or infinity, which take the general path. Per block: amax clamped to >= 1e-4, the power-of-two
-    ceiling of amax * (1/448) by adding to its bits, each value divided by it, clamped to ±448 and
-    rounded to E4M3 to nearest even (below 2^-6 in steps of 2^-9)."""
+    or infinity, which take the general path."""
     rows, k = x.shape
-    floor, reciprocal, top = np.float32(1e-4), np.float32(1.0 / 448.0), np.float32(448.0)
-    smallest_normal, steps = np.float32(2.0**-6), np.float32(512.0)
     cell = np.empty(1, np.float32)
-    bits = cell.view(np.uint32)
     for r in range(rows):
         for start in range(0, k, FP8_BLOCK):
-            amax = np.float32(0.0)
-            for i in range(start, start + FP8_BLOCK):
-                a = abs(x[r, i])
-                if not a < np.inf:
-                    return False
-                amax = max(amax, a)
-            cell[0] = max(amax, floor) * reciprocal
-            bits[0] = (bits[0] + np.uint32(0x7FFFFF)) & np.uint32(0x7F800000)
-            scale = cell[0]
+            scale = _fp8_scale(x, r, start, cell)
+            if scale < 0:
+                return False
             scales[r, start // FP8_BLOCK] = scale
             for i in range(start, start + FP8_BLOCK):
-                v = min(max(x[r, i] / scale, -top), top)
-                a = abs(v)
-                if a < smallest_normal:
-                    rounded = np.float32(np.rint(a * steps) / steps)
-                else:
-                    cell[0] = a
-                    bits[0] = (bits[0] + np.uint32(0x7FFFF) + ((bits[0] >> np.uint32(20)) & np.uint32(1))) \
-                        & np.uint32(0xFFF00000)
-                    rounded = cell[0]
-                values[r, i] = np.float32(np.copysign(rounded, v))
+                values[r, i] = _e4m3_rounded(x[r, i] / scale, cell)
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def fp8_pack_rows(x: np.ndarray, packed: np.ndarray) -> bool:
+    """`layouts.pack_rows` of float32 rows x [rows, dim] in an FP8 format with one E8M0 scale per 32
+    channels: packed [rows, dim + dim/32] gets the E4M3 codes, then the scales' exponent bytes (the
+    scales are powers of two inside E8M0's range, so the byte is their exponent field). False
+    (output unfinished) at the first NaN or infinity."""
+    rows, k = x.shape
+    cell = np.empty(1, np.float32)
+    for r in range(rows):
+        for start in range(0, k, FP8_BLOCK):
+            scale = _fp8_scale(x, r, start, cell)
+            if scale < 0:
+                return False
+            cell[0] = scale
+            packed[r, k + start // FP8_BLOCK] = (cell.view(np.uint32)[0] >> np.uint32(23)) & np.uint32(0xFF)
+            for i in range(start, start + FP8_BLOCK):
+                packed[r, i] = _e4m3_code(_e4m3_rounded(x[r, i] / scale, cell), cell)
     return True

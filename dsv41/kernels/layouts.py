@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv41.kernels import codecs
+from dsv41.kernels import codecs, cpu_loops
 from dsv41.model.quant import fp4_qdq, fp4_quant, fp8_qdq, fp8_quant
 
 
@@ -67,6 +67,11 @@ def pack_rows(x: torch.Tensor, fmt: EntryFormat) -> torch.Tensor:
     """Quantize rows x [..., dim] and pack them: uint8 [..., entry_bytes]."""
     if x.size(-1) != fmt.dim:
         raise ValueError(f"{fmt.name} rows have {fmt.dim} channels, got {x.size(-1)}")
+    if _loop_packs(x, fmt):
+        rows = x.reshape(-1, fmt.dim).float().contiguous()
+        packed = torch.empty(rows.size(0), fmt.entry_bytes, dtype=torch.uint8)
+        if cpu_loops.fp8_pack_rows(rows.numpy(), packed.numpy()):
+            return packed.view(*x.shape[:-1], fmt.entry_bytes)
     if fmt.fp4:
         codes, scale = fp4_quant(x, fmt.block, fmt.e4m3_scale)
     else:
@@ -74,6 +79,14 @@ def pack_rows(x: torch.Tensor, fmt: EntryFormat) -> torch.Tensor:
         codes = values.view(torch.uint8)
     scale_codes = codecs.e4m3_encode(scale) if fmt.e4m3_scale else codecs.e8m0_encode(scale, "up")
     return torch.cat([codes, scale_codes], dim=-1)
+
+
+def _loop_packs(x: torch.Tensor, fmt: EntryFormat) -> bool:
+    """Whether the compiled loop packs these rows (`cpu_loops.fp8_pack_rows`, the same bytes as the
+    operators below; about 30 operator calls fewer for the SWA rows a step writes in every layer):
+    an FP8 format with E8M0 scales per 32 channels, CPU rows without autograd."""
+    return (not fmt.fp4 and not fmt.e4m3_scale and fmt.block == cpu_loops.FP8_BLOCK and x.device.type == "cpu"
+            and not (x.requires_grad and torch.is_grad_enabled()))
 
 
 def unpack_rows(packed: torch.Tensor, fmt: EntryFormat, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
