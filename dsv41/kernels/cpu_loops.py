@@ -131,3 +131,17 @@ def fp8_pack_rows(x: np.ndarray, packed: np.ndarray) -> bool:
             for i in range(start, start + FP8_BLOCK):
                 packed[r, i] = _e4m3_code(_e4m3_rounded(x[r, i] / scale, cell), cell)
     return True
+
+
+@numba.njit(cache=True, nogil=True)
+def unpack_by_table(entries: np.ndarray, code_bytes: int, table: np.ndarray, values: np.ndarray) -> None:
+    """`layouts.unpack_rows` on the CPU: entries uint8 [rows, code_bytes + scale bytes]; every code
+    byte's dequantized value(s) looked up at index (its block's scale byte) << 8 | (code byte) in
+    `codecs.scaled_code_table` (integers holding the values' bits) into values [rows, code_bytes]."""
+    rows, scale_bytes = entries.shape[0], entries.shape[1] - code_bytes
+    per_scale = code_bytes // scale_bytes
+    for r in range(rows):
+        for s in range(scale_bytes):
+            high = np.int32(entries[r, code_bytes + s]) << 8
+            for j in range(s * per_scale, (s + 1) * per_scale):
+                values[r, j] = table[high | np.int32(entries[r, j])]

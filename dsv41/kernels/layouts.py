@@ -93,16 +93,16 @@ def unpack_rows(packed: torch.Tensor, fmt: EntryFormat, dtype: torch.dtype = tor
     """uint8 [..., entry_bytes] -> dequantized rows [..., dim] in `dtype`."""
     if packed.size(-1) != fmt.entry_bytes:
         raise ValueError(f"{fmt.name} entries are {fmt.entry_bytes} bytes, got {packed.size(-1)}")
-    codes, scale_codes = packed[..., : fmt.code_bytes], packed[..., fmt.code_bytes :]
     # A code times its power-of-two or E4M3 scale has at most 6 significant bits, so the product
     # is exact in fp32: computing in bf16 gives that product rounded to bf16 once, with half the traffic.
     work = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     if packed.device.type == "cpu":  # one lookup per code byte of its value(s) times its block's scale
         table = codecs.scaled_code_table(fmt.fp4, fmt.e4m3_scale, fmt.block, work)
-        code_bytes = codes.view(torch.uint8).unflatten(-1, (fmt.scale_bytes, -1))
-        index = code_bytes + (scale_codes.view(torch.uint8).int() << 8).unsqueeze(-1)  # (one int32 pass)
-        values = table.index_select(0, index.flatten()).view(work)
-        return values.view(*packed.shape[:-1], fmt.dim).to(dtype)
+        entries = packed.reshape(-1, fmt.entry_bytes).view(torch.uint8)
+        values = torch.empty(entries.size(0), fmt.code_bytes, dtype=table.dtype)
+        cpu_loops.unpack_by_table(entries.numpy(), fmt.code_bytes, table.numpy(), values.numpy())
+        return values.view(work).view(*packed.shape[:-1], fmt.dim).to(dtype)
+    codes, scale_codes = packed[..., : fmt.code_bytes], packed[..., fmt.code_bytes :]
     values = codecs.e2m1_decode_bytes(codes, work) if fmt.fp4 else codecs.e4m3_decode(codes, work)
     scale = codecs.e4m3_decode(scale_codes, work) if fmt.e4m3_scale else codecs.e8m0_decode(scale_codes).to(work)
     return (values.unflatten(-1, (-1, fmt.block)) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
