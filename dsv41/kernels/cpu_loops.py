@@ -120,16 +120,16 @@ def fp8_pack_rows(x: np.ndarray, packed: np.ndarray) -> bool:
     scales are powers of two inside E8M0's range, so the byte is their exponent field). False
     (output unfinished) at the first NaN or infinity."""
     rows, k = x.shape
+    values, scales = np.empty((rows, k), np.float32), np.empty((rows, k // FP8_BLOCK), np.float32)
+    if not fp8_quantize_rows(x, values, scales):
+        return False
     cell = np.empty(1, np.float32)
     for r in range(rows):
-        for start in range(0, k, FP8_BLOCK):
-            scale = _fp8_scale(x, r, start, cell)
-            if scale < 0:
-                return False
-            cell[0] = scale
-            packed[r, k + start // FP8_BLOCK] = (cell.view(np.uint32)[0] >> np.uint32(23)) & np.uint32(0xFF)
-            for i in range(start, start + FP8_BLOCK):
-                packed[r, i] = _e4m3_code(_e4m3_rounded(x[r, i] / scale, cell), cell)
+        for i in range(k):
+            packed[r, i] = _e4m3_code(values[r, i], cell)
+        for b in range(k // FP8_BLOCK):
+            cell[0] = scales[r, b]
+            packed[r, k + b] = (cell.view(np.uint32)[0] >> np.uint32(23)) & np.uint32(0xFF)
     return True
 
 
