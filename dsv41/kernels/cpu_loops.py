@@ -10,6 +10,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
+
+
+def serves(*tensors: torch.Tensor) -> bool:
+    """Whether a loop may stand in for its twin on these tensors: on the CPU (the loops read and
+    write them through numpy) and outside autograd (a loop records no graph)."""
+    return all(t.device.type == "cpu" and not (t.requires_grad and torch.is_grad_enabled()) for t in tensors)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -41,7 +48,6 @@ def sinkhorn_normalize(comb: np.ndarray, eps: float, iters: int) -> None:
             for i in range(hc):
                 for j in range(hc):
                     c[i, j] /= sums[j]
-
 
 
 FP8_BLOCK = 32  # activation values per power-of-two scale

@@ -85,8 +85,7 @@ def _loop_packs(x: torch.Tensor, fmt: EntryFormat) -> bool:
     """Whether the compiled loop packs these rows (`cpu_loops.fp8_pack_rows`, the same bytes as the
     operators below; about 30 operator calls fewer for the SWA rows a step writes in every layer):
     an FP8 format with E8M0 scales per 32 channels, CPU rows without autograd."""
-    return (not fmt.fp4 and not fmt.e4m3_scale and fmt.block == cpu_loops.FP8_BLOCK and x.device.type == "cpu"
-            and not (x.requires_grad and torch.is_grad_enabled()))
+    return not fmt.fp4 and not fmt.e4m3_scale and fmt.block == cpu_loops.FP8_BLOCK and cpu_loops.serves(x)
 
 
 def unpack_rows(packed: torch.Tensor, fmt: EntryFormat, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -96,7 +95,7 @@ def unpack_rows(packed: torch.Tensor, fmt: EntryFormat, dtype: torch.dtype = tor
     # A code times its power-of-two or E4M3 scale has at most 6 significant bits, so the product
     # is exact in fp32: computing in bf16 gives that product rounded to bf16 once, with half the traffic.
     work = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    if packed.device.type == "cpu":  # one lookup per code byte of its value(s) times its block's scale
+    if cpu_loops.serves(packed):  # one lookup per code byte of its value(s) times its block's scale
         table = codecs.scaled_code_table(fmt.fp4, fmt.e4m3_scale, fmt.block, work)
         entries = packed.reshape(-1, fmt.entry_bytes).view(torch.uint8)
         values = torch.empty(entries.size(0), fmt.code_bytes, dtype=table.dtype)

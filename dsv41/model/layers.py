@@ -180,7 +180,7 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
     without autograd one compiled loop computes `fp8_quant`'s bits (`cpu_loops.fp8_quantize_rows`;
     a block with a NaN or infinity takes `fp8_quant` itself): in torch operators this was about 20
     calls, before every quantized GEMM."""
-    if x.device.type == "cpu" and not (x.requires_grad and torch.is_grad_enabled()) and x.size(-1) % BLOCK == 0:
+    if cpu_loops.serves(x) and BLOCK == cpu_loops.FP8_BLOCK and x.size(-1) % BLOCK == 0:
         rows = x.reshape(-1, x.size(-1)).float().contiguous()
         values, scale = torch.empty_like(rows), rows.new_empty(rows.size(0), rows.size(1) // BLOCK)
         if cpu_loops.fp8_quantize_rows(rows.numpy(), values.numpy(), scale.numpy()):

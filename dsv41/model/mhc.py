@@ -38,8 +38,7 @@ def sinkhorn_split(
     else:
         pres, posts, combs = zip(*(_gates(part, *args[1:-1]) for part in mixes.split(rows, dim=-2)), strict=True)
         pre, post, comb = torch.cat(pres, dim=-2), torch.cat(posts, dim=-2), torch.cat(combs, dim=-3)
-    if (comb.device.type == "cpu" and hc <= FIRST_TO_LAST_SUMS
-            and not (comb.requires_grad and torch.is_grad_enabled())):
+    if hc <= FIRST_TO_LAST_SUMS and cpu_loops.serves(comb):
         return pre, post, _normalize_in_place(comb, eps, iters)
     return pre, post, _normalize(comb, args[3], iters)
 
