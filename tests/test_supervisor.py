@@ -39,6 +39,28 @@ def test_graceful_stop_leaves_nothing_behind(root):
     assert not list((root / "run").glob("*.sock*"))
 
 
+class _RecordingChild(launch._Child):
+    def __init__(self, name: str, calls: list[tuple[str, str]]):
+        self.name, self.calls = name, calls
+
+    def request_stop(self) -> None:
+        self.calls.append(("request_stop", self.name))
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        self.calls.append(("wait_stopped", self.name))
+
+
+def test_stop_tells_every_component_before_waiting_for_any(root):
+    """Shutdowns overlap: all are asked to stop (downstream first) before the first is waited for."""
+    supervisor = Supervisor(pipeline_for("process", root), root / "run")
+    calls: list[tuple[str, str]] = []
+    supervisor.children = {name: _RecordingChild(name, calls) for name in launch.COMPONENTS}
+    supervisor.stop()
+    order = list(reversed(launch.COMPONENTS))
+    assert calls == [("request_stop", n) for n in order] + [("wait_stopped", n) for n in order]
+    assert supervisor.children == {}
+
+
 def test_a_component_that_fails_to_start_is_reported_with_its_log(root):
     pipeline = pipeline_for("process", root, engram={"tables": str(root / "missing.safetensors")})
     with pytest.raises(LaunchError) as e:

@@ -221,11 +221,12 @@ def run(source: str, prompt: str | None, prompt_file, max_new_tokens: int | None
         options["images"] = _image_files(images)
     with _running(pipeline, runtime_dir) as supervisor:
         ids, completion, done = _complete(supervisor, text, options, stream=not as_json)
-    if as_json:
-        click.echo(json.dumps(_result(completion, ids, done)))
-    else:
-        click.echo("")
-        click.echo(_summary(done), err=True)
+        # the result before the pipeline's shutdown, which takes a second or two
+        if as_json:
+            click.echo(json.dumps(_result(completion, ids, done)))
+        else:
+            click.echo("")
+            click.echo(_summary(done), err=True)
 
 
 def _image_files(paths: tuple[Path, ...]) -> list[bytes]:

@@ -63,6 +63,9 @@ def check_endpoint(endpoint: str) -> None:
         raise ValueError(f"Invalid zmq endpoint {endpoint!r}: {problem}")
 
 
+LIBZMQ_KEEPS_IPC_FILES = (4, 2, 3)  # from this libzmq on, closing a listener leaves its ipc file
+
+
 class _IpcLock:
     """An exclusive lock beside an ipc socket file, taken before bind: a second process binding
     the same path would otherwise silently take over its traffic."""
@@ -80,9 +83,13 @@ class _IpcLock:
         self.path.unlink(missing_ok=True)  # a stale socket file left by a killed process
 
     def release(self, settle_s: float = 1.0) -> None:
-        """After the socket is closed. ZeroMQ tears its listener down in the background and then
-        removes the socket file; waiting for that keeps a late removal from deleting the socket
-        file of the next process to bind this path."""
+        """After the socket is closed. A libzmq before 4.2.3 tears its listener down in the
+        background and then removes the socket file; waiting for that keeps a late removal from
+        deleting the socket file of the next process to bind this path. Later ones never remove a
+        named socket file (zeromq/libzmq#2765), so there is nothing to wait for: the wait would
+        only add `settle_s` to every component's stop."""
+        if zmq.zmq_version_info() >= LIBZMQ_KEEPS_IPC_FILES:
+            settle_s = 0.0
         deadline = time.monotonic() + settle_s
         while self.path.exists() and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -60,7 +60,22 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-class ProcessChild:
+class _Child:
+    """What the supervisor drives of a component: `request_stop` returns at once, so that several
+    can stop at the same time; `wait_stopped` waits for one."""
+
+    def request_stop(self) -> None:
+        raise NotImplementedError
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        raise NotImplementedError
+
+    def stop(self, timeout_s: float) -> None:
+        self.request_stop()
+        self.wait_stopped(timeout_s)
+
+
+class ProcessChild(_Child):
     def __init__(self, name: str, pipeline_file: Path, runtime_dir: Path):
         self.name, self.pipeline_file, self.runtime_dir = name, pipeline_file, runtime_dir
         self.log_path = runtime_dir / f"{name}.log"
@@ -79,10 +94,14 @@ class ProcessChild:
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
-    def stop(self, timeout_s: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+    def request_stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        """After `request_stop`: the process's exit, killed if it takes longer than timeout_s."""
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -100,7 +119,7 @@ class ProcessChild:
             return ""
 
 
-class ThreadChild:
+class ThreadChild(_Child):
     def __init__(self, name: str, pipeline: Pipeline, runtime_dir: Path):
         self.name, self.pipeline, self.runtime_dir = name, pipeline, runtime_dir
         self.server, self.thread, self.error = None, None, ""
@@ -124,10 +143,13 @@ class ThreadChild:
     def exit_code(self) -> int | None:
         return None if self.thread is None or self.thread.is_alive() else 1
 
-    def stop(self, timeout_s: float) -> None:
-        self._built.wait(timeout_s)
+    def request_stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        self._built.wait(timeout_s)  # a server still being built is stopped once it exists
+        self.request_stop()
         if self.thread is not None:
             self.thread.join(timeout_s)
 
@@ -244,12 +266,16 @@ class Supervisor:
 
     # --- stop --------------------------------------------------------------------------------------
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop every component, in reverse dependency order; idempotent."""
+        """Stop every component, idempotent: each is told to stop, in reverse dependency order,
+        before the first is waited for, so their shutdowns overlap (each takes about half a
+        second, most of it the interpreter's exit)."""
         with self._lock:
             self._stopping.set()
-            for name in reversed(COMPONENTS):
-                if name in self.children:
-                    self.children[name].stop(timeout_s)
+            stopping = [self.children[name] for name in reversed(COMPONENTS) if name in self.children]
+            for child in stopping:
+                child.request_stop()
+            for child in stopping:
+                child.wait_stopped(timeout_s)
             self.children = {}
             if self._dir_lock is not None:
                 (self.runtime_dir / "pipeline.yaml").unlink(missing_ok=True)
