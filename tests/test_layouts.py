@@ -138,13 +138,14 @@ def test_packed_rows_with_special_values_unpack_to_the_fake_quantization(rng, fm
 def test_unpacking_by_table_gives_the_bits_of_decoding_then_scaling(fmt, dtype):
     """`unpack_rows` looks each code byte up with its block's scale byte in one table; every
     (scale, code) pair, NaN codes and scales included, gives the bits of decoding the codes and the
-    scales and multiplying them in the working dtype."""
+    scales and multiplying them in the working dtype; the blocks of a row have different scales."""
     codes = torch.arange(fmt.code_bytes, dtype=torch.int32)
     rows = []
     for scale in range(256):
         for first in range(0, 256, fmt.code_bytes):
             row_codes = (codes + first) % 256
-            rows.append(torch.cat([row_codes, torch.full((fmt.scale_bytes,), scale, dtype=torch.int32)]))
+            block_scales = (scale + 37 * torch.arange(fmt.scale_bytes, dtype=torch.int32)) % 256  # one per block
+            rows.append(torch.cat([row_codes, block_scales]))
     packed = torch.stack(rows).to(torch.uint8)
     code_bytes, scale_bytes = packed[:, : fmt.code_bytes], packed[:, fmt.code_bytes :]
     values = codecs.e2m1_decode_bytes(code_bytes, dtype) if fmt.fp4 else codecs.e4m3_decode(code_bytes, dtype)

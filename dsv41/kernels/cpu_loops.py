@@ -147,7 +147,12 @@ def unpack_by_table(entries: np.ndarray, code_bytes: int, table: np.ndarray, val
     rows, scale_bytes = entries.shape[0], entries.shape[1] - code_bytes
     per_scale = code_bytes // scale_bytes
     for r in range(rows):
+        entry, out = entries[r], values[r]
         for s in range(scale_bytes):
-            high = np.int32(entries[r, code_bytes + s]) << 8
-            for j in range(s * per_scale, (s + 1) * per_scale):
-                values[r, j] = table[high | np.int32(entries[r, j])]
+            # one block: its scale's 256 table entries as a view, read by the code bytes alone (this
+            # inner loop compiles to vector gathers; indexing the whole table by scale | code did not)
+            high = np.int32(entry[code_bytes + s]) << 8
+            scaled = table[high : high + 256]
+            first = s * per_scale
+            for j in range(per_scale):
+                out[first + j] = scaled[entry[first + j]]
