@@ -280,8 +280,8 @@ class EncoderComponent(Component):
         request, out = yield from self._prefill_ced(rid, seq, ids, message.mode == "exact", cached, rows_for,
                                                     snapshot, snapshot_at, spans)
         engram_wait = self.mailbox.waited_s - waited
-        self._store_blocks(seq, keys, len(blocks))
         self.decoder.send(msgspec.structs.replace(request, step_follows=self.beside_step), out, answered)
+        self._store_blocks(seq, keys, len(blocks))  # while the decoder replays: off the first token's path
         self.jobs.pop(rid, None)
 
     def _check_prompt(self, rid: int, ids: list[int], capacity: int) -> None:
