@@ -109,3 +109,23 @@ def test_drafting_a_batch_equals_drafting_each_sequence_alone(run, rng, packed):
             assert torch.equal(alone.tokens[0], together.tokens[i])
             assert torch.equal(alone.logits[0], together.logits[i])
             assert torch.equal(alone.confidence[0], together.confidence[i])
+
+
+def test_warm_up_leaves_the_drafter_as_it_was(run, rng):
+    """`Drafter.warm_up` drafts for a throwaway sequence: a real sequence's drafts, logits and
+    confidence are the bits they are without it."""
+    width = Drafter(Golden(GOLDEN).model(), run["drafter"]).stages[0].main_proj.in_features
+    history = torch.randn(9, width, generator=rng).bfloat16()
+    token = int(torch.randint(3, run["config"].text_config.vocab_size, (), generator=rng))
+    drafts = []
+    for warm in (False, True):
+        drafter = Drafter(Golden(GOLDEN).model(), run["drafter"])
+        with torch.inference_mode():
+            if warm:
+                drafter.warm_up()
+            state = new_state(run["config"])
+            drafter.observe(state, history)
+            drafts.append(drafter.draft([state], [token]))
+    cold, warm = drafts
+    assert torch.equal(cold.tokens, warm.tokens)
+    assert torch.equal(cold.logits, warm.logits) and torch.equal(cold.confidence, warm.confidence)

@@ -691,4 +691,5 @@ def _speculation(context: ComponentContext) -> tuple[Drafter | None, str, int]:
     model = context.build_model()
     model.layers = torch.nn.ModuleList()  # the drafter shares only the embedding and the head
     drafter = Drafter(model, load_dspark(context.config, files))
+    drafter.warm_up()  # before the component reports ready, as the encoder and decoder warm up
     return drafter, mode, min(length or drafter.block, drafter.block)
