@@ -63,7 +63,10 @@ def check_endpoint(endpoint: str) -> None:
         raise ValueError(f"Invalid zmq endpoint {endpoint!r}: {problem}")
 
 
-LIBZMQ_KEEPS_IPC_FILES = (4, 2, 3)  # from this libzmq on, closing a listener leaves its ipc file
+# Seconds a closed listener's ipc file is given to disappear. A libzmq before 4.2.3 removes it in the
+# background after the close; later ones never remove a named socket file (zeromq/libzmq#2765), so
+# waiting would only add a second to every component's stop.
+IPC_FILE_SETTLE_S = 0.0 if zmq.zmq_version_info() >= (4, 2, 3) else 1.0
 
 
 class _IpcLock:
@@ -82,15 +85,11 @@ class _IpcLock:
             raise EndpointInUse(f"{endpoint} is bound by another running process (lock {self.path}.lock)") from None
         self.path.unlink(missing_ok=True)  # a stale socket file left by a killed process
 
-    def release(self, settle_s: float = 1.0) -> None:
-        """After the socket is closed. A libzmq before 4.2.3 tears its listener down in the
-        background and then removes the socket file; waiting for that keeps a late removal from
-        deleting the socket file of the next process to bind this path. Later ones never remove a
-        named socket file (zeromq/libzmq#2765), so there is nothing to wait for: the wait would
-        only add `settle_s` to every component's stop."""
-        if zmq.zmq_version_info() >= LIBZMQ_KEEPS_IPC_FILES:
-            settle_s = 0.0
-        deadline = time.monotonic() + settle_s
+    def release(self) -> None:
+        """After the socket is closed: waiting for a libzmq that removes the socket file itself
+        (`IPC_FILE_SETTLE_S`) keeps its late removal from deleting the socket file of the next
+        process to bind this path."""
+        deadline = time.monotonic() + IPC_FILE_SETTLE_S
         while self.path.exists() and time.monotonic() < deadline:
             time.sleep(0.005)
         self.path.unlink(missing_ok=True)
