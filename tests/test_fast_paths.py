@@ -56,8 +56,9 @@ def _first_routing_flip(want_calls, got_calls):
 PROMPT = {"DSV41_FAST_GEMM": 40, "DSV41_FAST_ATTENTION": 150}
 
 
-@pytest.mark.parametrize("fast", sorted(PROMPT))
-def test_fast_path_stays_within_the_parity_policy_on_small(fast, monkeypatch, rng):
+@pytest.mark.parametrize(("fast", "in_place"), [("DSV41_FAST_GEMM", False), ("DSV41_FAST_ATTENTION", False),
+                                              ("DSV41_FAST_ATTENTION", True)])
+def test_fast_path_stays_within_the_parity_policy_on_small(fast, in_place, monkeypatch, rng):
     """Three random prompts, each within the policy, or else (one of them at most) moved by an
     expert choice that flipped on a near tie: at the first router call whose experts differ, the
     flipped token's scores in the fast run are within the policy of the reference's, and the
@@ -82,6 +83,11 @@ def test_fast_path_stays_within_the_parity_policy_on_small(fast, monkeypatch, rn
     else:
         shared = torch_ops._shared_keys_attention
         monkeypatch.setattr(torch_ops, "_shared_keys_attention", lambda *a: shared_runs.append(1) or shared(*a))
+        if in_place:  # every block as one over the shared-keys limit: logits gathered, sums in place
+            in_place_attention = torch_ops._in_place_attention
+            monkeypatch.setattr(torch_ops, "SHARED_KEYS_LIMIT", 0)
+            monkeypatch.setattr(torch_ops, "_in_place_attention",
+                                lambda *a: shared_runs.append(1) or in_place_attention(*a))
     flipped_away = 0
     for (prompt, forced), (want, want_calls) in zip(cases, wants, strict=True):
         got, got_calls = _routed_logits(core, prompt, forced, monkeypatch)

@@ -30,6 +30,14 @@ def _attention(monkeypatch, fast: str, *args) -> torch.Tensor:
         return torch_ops.sparse_attention(*args, 64**-0.5)
 
 
+def _within_one_bf16_step_and_rarely_moved(got: torch.Tensor, want: torch.Tensor) -> None:
+    step = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(2**-30))) - 7)  # one bf16 step
+    # an output that cancels to a millionth of its row keeps the fp32 error of the row's sums
+    row = 2**-16 * want.float().abs().amax(dim=-1, keepdim=True)
+    assert bool(((got.float() - want.float()).abs() <= torch.maximum(step, row)).all())
+    assert float((got != want).float().mean()) <= 0.01
+
+
 def test_shared_keys_move_an_output_by_one_bf16_step_at_most_and_rarely(monkeypatch, rng):
     q, kv, sink, idx = _inputs(rng)
     want = _attention(monkeypatch, "0", q, kv, sink, idx)
@@ -38,19 +46,30 @@ def test_shared_keys_move_an_output_by_one_bf16_step_at_most_and_rarely(monkeypa
     monkeypatch.setattr(torch_ops, "_shared_keys_attention", lambda *a: calls.append(1) or shared(*a))
     got = _attention(monkeypatch, "1", q, kv, sink, idx)
     assert len(calls) == q.size(0)
-    step = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(2**-30))) - 7)  # one bf16 step
-    # an output that cancels to a millionth of its row keeps the fp32 error of the row's sums
-    row = 2**-16 * want.float().abs().amax(dim=-1, keepdim=True)
-    assert bool(((got.float() - want.float()).abs() <= torch.maximum(step, row)).all())
-    assert float((got != want).float().mean()) <= 0.01
+    _within_one_bf16_step_and_rarely_moved(got, want)
     assert torch.equal(got[0, 7], want[0, 7])  # no keys: zeros, as the reference gives
 
 
-def test_blocks_over_the_shared_keys_limit_keep_the_reference_bits(monkeypatch, rng):
+def test_blocks_over_the_shared_keys_limit_go_in_place_within_one_bf16_step(monkeypatch, rng):
+    """Every block over the limit: the reference's logits, the weighted sums by the compiled loop
+    (on any number of threads the same bits: each query's sums are its own)."""
     q, kv, sink, idx = _inputs(rng, m=70)
     want = _attention(monkeypatch, "0", q, kv, sink, idx)
     monkeypatch.setattr(torch_ops, "SHARED_KEYS_LIMIT", 0)
-    assert torch.equal(_attention(monkeypatch, "1", q, kv, sink, idx), want)
+    calls = []
+    in_place = torch_ops._in_place_attention
+    monkeypatch.setattr(torch_ops, "_in_place_attention", lambda *a: calls.append(1) or in_place(*a))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        got = _attention(monkeypatch, "1", q, kv, sink, idx)
+        torch.set_num_threads(3)
+        assert torch.equal(_attention(monkeypatch, "1", q, kv, sink, idx), got)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2 * 2 * 2  # two sequences of two blocks, twice
+    _within_one_bf16_step_and_rarely_moved(got, want)
+    assert torch.equal(got[0, 7], want[0, 7])
     empty = idx[..., :0]  # no index at all: the sink alone, zeros
     none = _attention(monkeypatch, "0", q, kv, sink, empty)
     assert torch.equal(_attention(monkeypatch, "1", q, kv, sink, empty), none)

@@ -8,6 +8,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from dsv41.kernels import cpu_attention, cpu_loops
 from dsv41.kernels.layouts import index_k_format, main_kv_format, pack_rows, swa_format, unpack_rows
 from dsv41.kernels.selection import official_topk
 from dsv41.model import mhc, numerics
@@ -154,10 +155,12 @@ def _chunks_at_once_keep_bits(h: int, d: int, threads: int) -> bool:
 
 
 SHARED_QUERY_BLOCK = 64  # queries whose keys are multiplied as one table by _shared_keys_attention
-# A block whose queries read more distinct keys than this many times one query's indices goes the
-# gathered way: the shared GEMMs grow with the distinct keys, the gathered products with the indices
-# (measured on `mini` prefills: the ways break even at about 7 times on 1 thread, 9.5 on 2).
-SHARED_KEYS_LIMIT = 8
+# A block whose queries read more distinct keys than this many times one query's indices takes
+# `_in_place_attention`: the shared GEMMs grow with the distinct keys, its work with the indices
+# (measured on `mini`: 64 queries over 4K entries cost 18 ms shared at 6.7 times, 9 ms in place;
+# over 1K entries, 1.9 times, 5 ms shared).
+SHARED_KEYS_LIMIT = 3.5
+DOTS_QUERY_BLOCK = 4  # queries whose gathered keys one bmm multiplies (best of 1-64 on `mini`)
 
 
 def _shared_keys_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
@@ -183,8 +186,11 @@ def _shared_keys_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor
         block = idx[s : s + SHARED_QUERY_BLOCK]
         n = block.size(0)
         shared, where = distinct_ids(block, kv.size(0))
-        if shared.numel() > SHARED_KEYS_LIMIT * k:
-            out.append(_gathered_keys_attention(q[None, s : s + n], kv[None], sink, block[None], scale)[0])
+        if shared.numel() > SHARED_KEYS_LIMIT * k or not cpu_loops.serves(q, kv):
+            if cpu_loops.serves(q, kv):
+                out.append(_in_place_attention(q[s : s + n], kv, sink, block, scale))
+            else:
+                out.append(_gathered_keys_attention(q[None, s : s + n], kv[None], sink, block[None], scale)[0])
             continue
         keys = kv.index_select(0, shared)
         qf = q[s : s + SHARED_QUERY_BLOCK].float().reshape(n * h, d)
@@ -198,6 +204,27 @@ def _shared_keys_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor
         denom = denom + torch.exp(sink.float() - last_max)
         out.append((pv / denom.unsqueeze(-1)).to(torch.bfloat16))
     return torch.cat(out)
+
+
+def _in_place_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """`_shared_keys_attention` of a block whose queries share few keys (q [n, h, d], kv [n_keys, d]
+    fp32, idx [n, k] in whole chunks): each query's logits from its own gathered keys in the
+    reference's products (so the reference's logits), the same softmax weights, and each query's
+    weighted sum of its keys by a compiled loop that reads them in place (`cpu_attention`) instead of
+    a second gathered pass."""
+    n, h, d = q.shape
+    qf = q.float()
+    dots = torch.cat([torch.bmm(qf[s : s + DOTS_QUERY_BLOCK], gather_rows(kv[None], idx[None, s : s + DOTS_QUERY_BLOCK])
+                                .view(-1, idx.size(-1), d).transpose(1, 2))
+                      for s in range(0, n, DOTS_QUERY_BLOCK)])
+    logits = torch.where((idx >= 0).unsqueeze(1), dots, -torch.inf) * scale
+    weights, denom, last_max = _online_softmax_weights(logits.view(n, h, -1, ATTENTION_CHUNK))
+    pv = torch.empty(n, h, d)
+    cpu_attention.over_queries(cpu_attention.weighted_rows, n, weights.view(n, h, -1).numpy(),
+                               kv.contiguous().numpy(), idx.long().contiguous().numpy(), pv.numpy())
+    denom = denom + torch.exp(sink.float() - last_max)
+    return (pv / denom.unsqueeze(-1)).to(torch.bfloat16)
 
 
 def _online_softmax_weights(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
