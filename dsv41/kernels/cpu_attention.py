@@ -11,6 +11,7 @@ Each query's result is its own, so the queries are split over threads without ch
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,6 +45,7 @@ def weighted_rows(weights: np.ndarray, kv: np.ndarray, idx: np.ndarray, out: np.
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
+os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the parent's threads
 
 
 def over_queries(loop, rows: int, *arrays: np.ndarray) -> None:
