@@ -8,8 +8,9 @@ FLOPs of the prompt's positions (each counted as a decode token at its context,
 `dsv41.engine.flops`: the encoder's share of the layers for every position, the decoder's for the
 replayed ones) over the fp32 GEMM rate measured in the same run. `--config` takes a built-in name
 or any official-format config.json (random weights). With --fast-attention each CED prefill is
-also timed with DSV41_FAST_ATTENTION=1 (the prefill attention over shared keys,
-docs/performance.md), right after the reference one, and the speed-up is reported. Prints a table, writes
+also timed with DSV41_FAST_ATTENTION=1 (the prefill attention over shared keys, or in place where
+a block's queries share few, docs/performance.md), right after the reference one, and the speed-up
+is reported; DSV41_FAST_GEMM=1 in the environment applies to every run (recorded in the file). Prints a table, writes
 benchmarks/results/prefill.json and prefill.png (or --out and its .png).
 Usage: python benchmarks/prefill.py [--config mini] [--lengths 1024 4096 16384 32768] [--chunk 512]
        [--threads T] [--fast-attention] [--out PATH]
@@ -107,7 +108,7 @@ def main() -> None:
             with patch.dict(os.environ, {"DSV41_FAST_ATTENTION": "1"}):
                 row["ced_fast_attention_s"], _ = measure(core, ids, "ced")
             row["fast_attention_speedup"] = ced_s / row["ced_fast_attention_s"]
-            line += (f"   ced, shared-keys attention: {row['ced_fast_attention_s']:.1f} s "
+            line += (f"   ced, fast attention: {row['ced_fast_attention_s']:.1f} s "
                      f"({n / row['ced_fast_attention_s']:.0f} tokens/s, {row['fast_attention_speedup']:.2f}x)")
         rows.append(row)
         print(line, flush=True)
