@@ -157,8 +157,8 @@ def _chunks_at_once_keep_bits(h: int, d: int, threads: int) -> bool:
 SHARED_QUERY_BLOCK = 64  # queries whose keys are multiplied as one table by _shared_keys_attention
 # A block whose queries read more distinct keys than this many times one query's indices takes
 # `_in_place_attention`: the shared GEMMs grow with the distinct keys, its work with the indices
-# (measured on `mini`: 64 queries over 4K entries cost 18 ms shared at 6.7 times, 9 ms in place;
-# over 1K entries, 1.9 times, 5 ms shared).
+# (measured on `mini`, 2 threads: 64 queries over 4K entries cost 16 ms shared at 6.7 times, 10 ms in
+# place; over 1K entries, 1.9 times, 5 ms shared).
 SHARED_KEYS_LIMIT = 3.5
 DOTS_QUERY_BLOCK = 4  # queries whose gathered keys one bmm multiplies (best of 1-64 on `mini`)
 
@@ -181,16 +181,15 @@ def _shared_keys_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor
         idx = F.pad(idx, (0, -idx.size(-1) % ATTENTION_CHUNK), value=-1)
     k = idx.size(-1)
     chunks = k // ATTENTION_CHUNK
+    in_place = cpu_loops.serves(q, kv)  # the compiled loop reads CPU tensors; elsewhere the reference order
     out = []
     for s in range(0, m, SHARED_QUERY_BLOCK):
         block = idx[s : s + SHARED_QUERY_BLOCK]
         n = block.size(0)
         shared, where = distinct_ids(block, kv.size(0))
-        if shared.numel() > SHARED_KEYS_LIMIT * k or not cpu_loops.serves(q, kv):
-            if cpu_loops.serves(q, kv):
-                out.append(_in_place_attention(q[s : s + n], kv, sink, block, scale))
-            else:
-                out.append(_gathered_keys_attention(q[None, s : s + n], kv[None], sink, block[None], scale)[0])
+        if shared.numel() > SHARED_KEYS_LIMIT * k:
+            out.append(_in_place_attention(q[s : s + n], kv, sink, block, scale) if in_place else
+                       _gathered_keys_attention(q[None, s : s + n], kv[None], sink, block[None], scale)[0])
             continue
         keys = kv.index_select(0, shared)
         qf = q[s : s + SHARED_QUERY_BLOCK].float().reshape(n * h, d)
