@@ -3,7 +3,10 @@ torch or numpy operator call per step of it costs more than the arithmetic.
 
 Each loop does the float32 operations of its torch twin in the same order, so it returns the same
 bits: numba keeps float32 arithmetic in float32 and, without `fastmath`, neither reorders nor
-contracts it (no fused multiply-add). The tests compare every loop with its twin bit for bit.
+contracts it (no fused multiply-add). The one exception contracts on purpose: `_block_dots` sums a
+32-product block as this machine's BLAS does (one fused multiply-add after another), which its
+callers check once per shape before they use it. The tests compare every loop with its twin bit
+for bit.
 """
 
 from __future__ import annotations
@@ -156,3 +159,51 @@ def unpack_by_table(entries: np.ndarray, code_bytes: int, table: np.ndarray, val
             first = s * per_scale
             for j in range(per_scale):
                 out[first + j] = scaled[entry[first + j]]
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"contract"})
+def _block_dots(a: np.ndarray, kb: int, w_t: np.ndarray, acc: np.ndarray) -> None:
+    """acc[j] = sum over c of a[kb * 32 + c] * w_t[kb, c, j], c from 0 to 31, each product added by a
+    fused multiply-add from +0 (the order MKL's fp32 GEMM kernels keep within a block this short)."""
+    n = acc.shape[0]
+    for j in range(n):
+        acc[j] = 0.0
+    base = kb * FP8_BLOCK
+    for c in range(FP8_BLOCK):
+        x, w = a[base + c], w_t[kb, c]
+        for j in range(n):
+            acc[j] += x * w[j]
+
+
+@numba.njit(cache=True, nogil=True)
+def block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, w_scale_t: np.ndarray,
+                      out: np.ndarray) -> None:
+    """`quant.block_scaled_matmul` of rows a [M, K] (FP8 values as float32, scales a_scale [M, K/32])
+    by a weight in the loop's layout (`quant.loop_layout`: values w_t [K/32, 32, N], scales
+    w_scale_t [K/32, N]) into out [M, N]: each block's dot products, times the row's scale, times
+    the column's, the blocks added in K order from +0. A weight block is read once for all rows."""
+    rows, blocks, n = a.shape[0], w_t.shape[0], w_t.shape[2]
+    acc = np.empty(n, np.float32)
+    zero = np.float32(0.0)
+    for kb in range(blocks):
+        w_scale = w_scale_t[kb]
+        for r in range(rows):
+            _block_dots(a[r], kb, w_t, acc)
+            scale, o = a_scale[r, kb], out[r]
+            if kb == 0:
+                for j in range(n):
+                    o[j] = (acc[j] * scale) * w_scale[j] + zero
+            else:
+                for j in range(n):
+                    o[j] += (acc[j] * scale) * w_scale[j]
+
+
+@numba.njit(cache=True, nogil=True)
+def grouped_block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, w_scale_t: np.ndarray,
+                              groups: np.ndarray, out: np.ndarray) -> None:
+    """`block_scaled_rows` of G groups of rows a [G, M, K] (scales [G, M, K/32]), group g by weight
+    groups[g] of the stacked layouts w_t [E, K/32, 32, N] and w_scale_t [E, K/32, N], into out
+    [G, M, N]: the routed experts of a batched MoE step in one call."""
+    for g in range(a.shape[0]):
+        e = groups[g]
+        block_scaled_rows(a[g], a_scale[g], w_t[e], w_scale_t[e], out[g])

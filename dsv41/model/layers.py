@@ -11,7 +11,15 @@ from torch import nn
 
 from dsv41.kernels import cpu_loops
 from dsv41.model import numerics
-from dsv41.model.quant import block_scaled_matmul, fp8_quant, unpack_e2m1
+from dsv41.model.quant import (
+    LoopLayout,
+    block_scaled_matmul,
+    block_scaled_rows,
+    fp8_quant,
+    loop_layout,
+    loop_serves,
+    unpack_e2m1,
+)
 
 BLOCK = 32  # FP8 weight blocks are 32x32; FP4 expert scales and activation scales cover 32 along K
 
@@ -52,6 +60,7 @@ class Linear(nn.Module):
         self.scale = None if scale is None else nn.Parameter(scale, requires_grad=False)
         self._dequant: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
         self._scaled: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._loop: tuple[torch.Tensor, LoopLayout] | None = None
 
     def version(self) -> tuple[int, int, int]:
         """Changes whenever the weight or its scale does: the key of caches derived from them. Read
@@ -82,6 +91,14 @@ class Linear(nn.Module):
             self._scaled = (values, real.t().contiguous())
         return self._scaled[1]
 
+    def loop_layout(self) -> LoopLayout:
+        """The weight as the compiled loop of decode-sized products reads it (`quant.loop_layout`),
+        cached with the values it comes from."""
+        values, scale = self.dequantized()
+        if self._loop is None or self._loop[0] is not values:
+            self._loop = (values, loop_layout(values, scale))
+        return self._loop[1]
+
     def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None,
                 rows: list[int] | None = None) -> torch.Tensor:
         """y = x W^T; `quantized` is x already through `quantize_rows` (linears that share an input
@@ -95,6 +112,8 @@ class Linear(nn.Module):
         q, q_scale = quantized if quantized is not None else quantize_rows(x)
         if numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear"):
             y = torch.mm((q.unflatten(1, (-1, BLOCK)) * q_scale.unsqueeze(-1)).flatten(1), self.scaled())
+        elif loop_serves(q, self.out_features):
+            y = block_scaled_rows(q, q_scale, self.loop_layout())
         else:
             values, scale = self.dequantized()
             y = block_scaled_matmul(q, q_scale, values, scale, BLOCK)
@@ -117,6 +136,7 @@ class LinearsBeside:
     def __init__(self, *linears: Linear):
         self.linears = linears
         self._joined: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self._joined_loop: tuple[torch.Tensor, LoopLayout] | None = None
 
     def __call__(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> list[torch.Tensor]:
         if any(linear.scale is None for linear in self.linears):
@@ -129,7 +149,10 @@ class LinearsBeside:
                 or not _beside_keeps_bits(quantized[0].size(1), tuple(widths), rows, torch.get_num_threads())):
             return [linear(x, quantized) for linear in self.linears]
         values, scale = self.joined()
-        y = block_scaled_matmul(*quantized, values, scale, BLOCK).to(torch.bfloat16)
+        if loop_serves(quantized[0], values.size(0)):
+            y = block_scaled_rows(*quantized, self.joined_loop_layout()).to(torch.bfloat16)
+        else:
+            y = block_scaled_matmul(*quantized, values, scale, BLOCK).to(torch.bfloat16)
         return [part.reshape(*x.shape[:-1], part.size(-1)) for part in y.split(widths, dim=-1)]
 
     def joined(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +166,13 @@ class LinearsBeside:
                 linear._dequant = (linear.version(), v, s)
             self._joined = (key, values, scale)
         return self._joined[1], self._joined[2]
+
+    def joined_loop_layout(self) -> LoopLayout:
+        """The side-by-side weights in the compiled loop's layout, cached with them."""
+        values, scale = self.joined()
+        if self._joined_loop is None or self._joined_loop[0] is not values:
+            self._joined_loop = (values, loop_layout(values, scale))
+        return self._joined_loop[1]
 
 
 def fill_weight_caches(model: nn.Module) -> None:

@@ -8,7 +8,13 @@ from torch import nn
 
 from dsv41.model import numerics
 from dsv41.model.layers import BLOCK, Linear, LinearsBeside, QuantizedRows, Storage, quantize_rows
-from dsv41.model.quant import block_major, grouped_block_scaled_matmul
+from dsv41.model.quant import (
+    block_major,
+    grouped_block_scaled_matmul,
+    grouped_block_scaled_rows,
+    loop_layout,
+    loop_serves,
+)
 
 # A step of at most this many tokens runs its routed experts as one grouped GEMM per projection
 # (each expert's tokens padded to the busiest expert's count): below it the per-expert loop's
@@ -109,7 +115,7 @@ class MoE(nn.Module):
         self.gate = Gate(dim, n_experts, topk, route_scale, scoring, with_vision_bias, device)
         self.experts = nn.ModuleList(Expert(dim, inter, Storage.FP4, limit, device) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter, Storage.FP8, limit, device)
-        self._stacks: dict[tuple[str, bool], tuple[tuple, tuple[torch.Tensor, ...]]] = {}
+        self._stacks: dict[tuple[str, str], tuple[tuple, tuple[torch.Tensor, ...]]] = {}
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
                 routing: dict | None = None, sizes: list[int] | None = None) -> torch.Tensor:
@@ -179,7 +185,9 @@ class MoE(nn.Module):
         ([experts, width, K] values, [experts, width, K/32] scales) -> [experts, width, N] bf16,
         as each expert's `Linear` computes it (the fast GEMM when DSV41_FAST_GEMM=1)."""
         fast = numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
-        stacked = self._stacked(name, fast)
+        if not fast and loop_serves(q[0], getattr(self.experts[0], name).out_features, grouped=True):
+            return grouped_block_scaled_rows(*q, self._stacked(name, "loop"), used).to(torch.bfloat16)
+        stacked = self._stacked(name, "fast" if fast else "blocks")
         if used.numel() < len(self.experts):
             stacked = tuple(t[used] for t in stacked)
         if fast:
@@ -188,17 +196,19 @@ class MoE(nn.Module):
             y = grouped_block_scaled_matmul(q[0], q[1], *stacked, BLOCK)
         return y.to(torch.bfloat16)
 
-    def _stacked(self, name: str, fast: bool) -> tuple[torch.Tensor, ...]:
-        """Every routed expert's projection `name` stacked, cached until a weight changes: their real
-        values [E, K, N] for the fast GEMM, else block-major values and per-row scales."""
+    def _stacked(self, name: str, kind: str) -> tuple[torch.Tensor, ...]:
+        """Every routed expert's projection `name` stacked, cached until a weight changes: for kind
+        "fast" their real values [E, K, N] (the fast GEMM), "blocks" block-major values and per-row
+        scales (`grouped_block_scaled_matmul`), "loop" the compiled loop's layout (`quant.loop_layout`)."""
         linears = [getattr(expert, name) for expert in self.experts]
         key = tuple(linear.version() for linear in linears)
-        cached = self._stacks.get((name, fast))
+        cached = self._stacks.get((name, kind))
         if cached is None or cached[0] != key:
-            if fast:
+            if kind == "fast":
                 stacked = (torch.stack([linear.scaled() for linear in linears]),)
             else:
-                values, scales = zip(*(linear.dequantized() for linear in linears), strict=True)
-                stacked = (block_major(torch.stack(values), BLOCK), torch.stack(scales))
-            cached = self._stacks[(name, fast)] = (key, stacked)
+                parts = zip(*(linear.dequantized() for linear in linears), strict=True)
+                values, scales = (torch.stack(t) for t in parts)
+                stacked = loop_layout(values, scales) if kind == "loop" else (block_major(values, BLOCK), scales)
+            cached = self._stacks[(name, kind)] = (key, stacked)
         return cached[1]

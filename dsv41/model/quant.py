@@ -17,9 +17,11 @@ largest value. For finite inputs this is exactly the reference.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from dsv41.kernels import codecs
+from dsv41.kernels import codecs, cpu_loops
 from dsv41.kernels.codecs import (
     E2M1_MAX,
     E4M3_MAX,
@@ -145,6 +147,78 @@ def block_scaled_matmul(
     n, nk = w.size(0), k // block
     partials = _block_products(a.view(m, nk, block).transpose(0, 1), w.view(n, nk, block).permute(1, 2, 0))
     return _add_scaled_blocks(partials, a_scale.t(), w_scale.t())
+
+
+BLOCK_K = cpu_loops.FP8_BLOCK  # the loop's block along K: the activations' and weights' scale block
+LOOP_ROWS = 16  # products of up to this many rows take the compiled loop (decode steps and their batches)
+LoopLayout = tuple[torch.Tensor, torch.Tensor]  # a weight as `cpu_loops.block_scaled_rows` reads it
+
+
+def loop_layout(values: torch.Tensor, scale: torch.Tensor) -> LoopLayout:
+    """A quantized weight's values [..., N, K] and per-row scales [..., N, K/32] as the compiled loop
+    reads them: [..., K/32, 32, N] and [..., K/32, N], so that one K position of a block is a
+    contiguous row over the outputs, which the loop runs along in vector registers."""
+    *lead, n, k = values.shape
+    blocks = values.reshape(*lead, n, k // BLOCK_K, BLOCK_K)
+    return blocks.movedim(-3, -1).contiguous(), scale.transpose(-1, -2).contiguous()
+
+
+def loop_serves(a: torch.Tensor, n: int, grouped: bool = False) -> bool:
+    """Whether the compiled loop computes the block-scaled product of rows a [..., M, K] with
+    [N, K] weights: a few rows (at most LOOP_ROWS) on the CPU, outside stable numerics and autograd,
+    at a shape where it gives this machine's GEMM bits (`_loop_keeps_bits`). `grouped`: for
+    `grouped_block_scaled_matmul` rather than `block_scaled_matmul`."""
+    return (a.size(-2) <= LOOP_ROWS and a.size(-1) % BLOCK_K == 0 and not numerics.is_stable()
+            and not torch.is_grad_enabled() and cpu_loops.serves(a)
+            and _loop_keeps_bits(a.size(-1), n, grouped, torch.get_num_threads()))
+
+
+def block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor, layout: LoopLayout) -> torch.Tensor:
+    """`block_scaled_matmul` of rows a [M, K] (scales [M, K/32]) by a weight in `loop_layout`, in one
+    compiled loop instead of about thirty operator calls; the same bits where `loop_serves`."""
+    out = a.new_empty(a.size(0), layout[0].size(-1))
+    cpu_loops.block_scaled_rows(a.contiguous().numpy(), a_scale.contiguous().numpy(), layout[0].numpy(),
+                                layout[1].numpy(), out.numpy())
+    return out
+
+
+def grouped_block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor, layout: LoopLayout,
+                              groups: torch.Tensor) -> torch.Tensor:
+    """`grouped_block_scaled_matmul` of a [G, M, K] (scales [G, M, K/32]) by weights groups [G] of a
+    stacked `loop_layout` ([E, ...]): each group's weight read where it lies, none copied."""
+    out = a.new_empty(a.size(0), a.size(1), layout[0].size(-1))
+    cpu_loops.grouped_block_scaled_rows(a.contiguous().numpy(), a_scale.contiguous().numpy(), layout[0].numpy(),
+                                        layout[1].numpy(), groups.long().contiguous().numpy(), out.numpy())
+    return out
+
+
+@functools.cache
+def _loop_keeps_bits(k: int, n: int, grouped: bool, threads: int) -> bool:
+    """Whether the compiled loop gives the block-scaled GEMM's bits for [N, K] weights on this
+    machine, at every row count it takes. Here MKL's fp32 kernels sum a 32-product block one fused
+    multiply-add after another, which is what the loop does; but the BLAS picks its kernel by shape,
+    layout and CPU, so random FP8 values at this shape decide it, once."""
+    generator = torch.Generator().manual_seed(0)
+    groups = 3 if grouped else 1
+
+    def fp8_rows(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = fp8_quant(torch.randn(*shape, generator=generator) * 4, BLOCK_K)
+        return q.float(), scale.float()
+
+    values, scale = fp8_rows(groups, n, k)
+    layout = loop_layout(values, scale)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 5, 8, 9, LOOP_ROWS):
+            a, a_scale = fp8_rows(groups, rows, k)
+            if grouped:
+                expected = grouped_block_scaled_matmul(a, a_scale, block_major(values, BLOCK_K), scale, BLOCK_K)
+                got = grouped_block_scaled_rows(a, a_scale, layout, torch.arange(groups))
+            else:
+                expected = block_scaled_matmul(a[0], a_scale[0], values[0], scale[0], BLOCK_K)
+                got = block_scaled_rows(a[0], a_scale[0], (layout[0][0], layout[1][0]))
+            if not torch.equal(got, expected):
+                return False
+    return True
 
 
 def block_major(w: torch.Tensor, block: int = 32) -> torch.Tensor:
