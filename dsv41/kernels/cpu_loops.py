@@ -19,7 +19,8 @@ import torch
 def serves(*tensors: torch.Tensor) -> bool:
     """Whether a loop may stand in for its twin on these tensors: on the CPU (the loops read and
     write them through numpy) and outside autograd (a loop records no graph)."""
-    return all(t.device.type == "cpu" and not (t.requires_grad and torch.is_grad_enabled()) for t in tensors)
+    grad = torch.is_grad_enabled()  # once; `is_cpu`, not `device.type`: this runs before every quantized product
+    return all(t.is_cpu and not (grad and t.requires_grad) for t in tensors)
 
 
 @numba.njit(cache=True, nogil=True)
