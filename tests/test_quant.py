@@ -264,6 +264,37 @@ def test_quantize_rows_loop_gives_fp8_quant_bits(rng):
     check(special)
 
 
+@pytest.mark.parametrize("block, e4m3_scale", [(32, False), (16, True)], ids=["mxfp4", "main_kv"])
+def test_fp4_loop_gives_the_operators_bits(rng, monkeypatch, block, e4m3_scale):
+    """`cpu_loops.fp4_quantize_rows` behind fp4_quant and fp4_qdq against the operators: blocks
+    scaled far apart in fp32 and bf16, every E2M1 midpoint (ties go to the even code) and exact
+    grid values, blocks of signed zeros, and tiny blocks at the scale floors; codes, scales and
+    dequantized values bit for bit (signed zeros included)."""
+    scales = torch.exp2(torch.randint(-30, 30, (6, 8, 1), generator=rng).float()).expand(-1, -1, block)
+    x = torch.randn(6, 8 * block, generator=rng) * scales.flatten(-2)
+    grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, -0.75, -3.5])
+    x[0, :block] = grid.repeat(block // 16) * 2.0 ** int(torch.randint(-12, 12, (), generator=rng))
+    x[1, :block] = torch.tensor([-0.0, 0.0]).repeat(block // 2)
+    x[2, :block] = torch.randn(block, generator=rng) * 1e-39
+    rows, codes = x.contiguous(), torch.empty(x.shape, dtype=torch.uint8)  # finite: the loop answers itself
+    assert cpu_loops.fp4_quantize_rows(rows.numpy(), block, e4m3_scale, codes.numpy(), torch.empty_like(rows).numpy(),
+                                       rows.new_empty(6, 8).numpy())
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = x.to(dtype)
+        by_loop = quant.fp4_quant(rows, block, e4m3_scale), quant.fp4_qdq(rows, block, e4m3_scale)
+        monkeypatch.setattr(quant, "_fp4_by_loop", lambda *args: None)
+        by_operators = quant.fp4_quant(rows, block, e4m3_scale), quant.fp4_qdq(rows, block, e4m3_scale)
+        monkeypatch.undo()
+        (codes, scale), values = by_loop
+        (want_codes, want_scale), want_values = by_operators
+        assert torch.equal(codes, want_codes) and torch.equal(scale.view(torch.int32), want_scale.view(torch.int32))
+        assert torch.equal(values.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want_values.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    none = torch.empty(1, 0, 8 * block)  # a step without rows: the operators' shapes
+    assert quant.fp4_quant(none, block, e4m3_scale)[1].shape == (1, 0, 8)
+    assert quant.fp4_qdq(none, block, e4m3_scale).shape == none.shape
+
+
 def _random_linear(n_in: int, n_out: int, storage: Storage, rng: torch.Generator) -> Linear:
     layer = Linear(n_in, n_out, storage)
     if storage is Storage.FP8:

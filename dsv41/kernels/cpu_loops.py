@@ -123,6 +123,73 @@ def fp8_quantize_rows(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> 
     return True
 
 
+_FP4_MAX, _FP4_RECIPROCAL = np.float32(6.0), np.float32(1.0 / 6.0)  # E2M1's largest value, fp32(1/6)
+_MXFP4_AMAX_FLOOR, _E4M3_SCALED_AMAX_FLOOR = np.float32(6 * 2.0**-126), np.float32(6 * 2.0**-9)
+
+
+@numba.njit(cache=True, nogil=True)
+def _e2m1_code(v: float, cell: np.ndarray) -> int:
+    """The 4-bit E2M1 code of v (within ±6) as `codecs.e2m1_encode` finds it: the nearest of
+    0, .5, 1, 1.5, 2, 3, 4, 6, a tie going to the even code (up at 0.75, 1.75 and 3.5), the sign of
+    v (-0 too) in bit 3."""
+    a = abs(v)
+    if a <= 0.25:
+        code = 0
+    elif a < 0.75:
+        code = 1
+    elif a <= 1.25:
+        code = 2
+    elif a < 1.75:
+        code = 3
+    elif a <= 2.5:
+        code = 4
+    elif a < 3.5:
+        code = 5
+    elif a <= 5.0:
+        code = 6
+    else:
+        code = 7
+    cell[0] = v
+    return code | ((cell.view(np.uint32)[0] >> np.uint32(28)) & np.uint32(8))
+
+
+_E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                        np.float32)
+
+
+@numba.njit(cache=True, nogil=True)
+def fp4_quantize_rows(x: np.ndarray, block: int, e4m3_scale: bool, codes: np.ndarray, values: np.ndarray,
+                      scales: np.ndarray) -> bool:
+    """`quant.fp4_quant` of float32 rows x [rows, K] by blocks of `block`: each block's scale (E4M3 of
+    max(amax, 6 * 2^-9) / 6 for the main KV, else the power of two at or above max(amax, 6 * 2^-126)
+    times fp32(1/6)) into scales [rows, K/block], each element's E2M1 code of x / scale clamped to
+    ±6 into codes [rows, K] and its dequantized value (code value times scale) into values
+    [rows, K]. False (outputs unfinished) at the first NaN or infinity, which take the operators."""
+    rows, k = x.shape
+    cell = np.empty(1, np.float32)
+    for r in range(rows):
+        for start in range(0, k, block):
+            amax = np.float32(0.0)
+            for i in range(start, start + block):
+                a = abs(x[r, i])
+                if not a < np.inf:
+                    return False
+                amax = max(amax, a)
+            if e4m3_scale:
+                scale = _e4m3_rounded(max(amax, _E4M3_SCALED_AMAX_FLOOR) / _FP4_MAX, cell)
+            else:  # the ceiling to a power of two: a carry out of the mantissa bumps the exponent
+                cell[0] = max(amax, _MXFP4_AMAX_FLOOR) * _FP4_RECIPROCAL
+                bits = cell.view(np.uint32)
+                bits[0] = (bits[0] + np.uint32(0x7FFFFF)) & np.uint32(0x7F800000)
+                scale = cell[0]
+            scales[r, start // block] = scale
+            for i in range(start, start + block):
+                code = _e2m1_code(min(max(x[r, i] / scale, -_FP4_MAX), _FP4_MAX), cell)
+                codes[r, i] = code
+                values[r, i] = _E2M1_VALUES[code] * scale
+    return True
+
+
 @numba.njit(cache=True, nogil=True)
 def fp8_pack_rows(x: np.ndarray, packed: np.ndarray) -> bool:
     """`layouts.pack_rows` of float32 rows x [rows, dim] in an FP8 format with one E8M0 scale per 32

@@ -110,16 +110,37 @@ def _fp4_scaled(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Te
     return (groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX), scale
 
 
+def _fp4_by_loop(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, ...] | None:
+    """(E2M1 codes [..., K], dequantized values [..., K] fp32, scales [..., K/block]) of x by the
+    compiled loop (`cpu_loops.fp4_quantize_rows`: the operators' bits, one call instead of about
+    thirty), or None where it does not serve: off the CPU, under autograd, or a block holding a NaN
+    or infinity (their finite-only amax and NaN codes stay with the operators)."""
+    if not cpu_loops.serves(x) or x.size(-1) % block:  # (a shape error is raised by the operators)
+        return None
+    rows = x.reshape(-1, x.size(-1)).float().contiguous()
+    codes = torch.empty(rows.shape, dtype=torch.uint8)
+    values, scale = torch.empty_like(rows), rows.new_empty(rows.size(0), rows.size(1) // block)
+    if not cpu_loops.fp4_quantize_rows(rows.numpy(), block, e4m3_scale, codes.numpy(), values.numpy(), scale.numpy()):
+        return None
+    return codes.view(x.shape), values.view(x.shape), scale.view(*x.shape[:-1], x.size(-1) // block)
+
+
 def fp4_quant(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """FP4 quantization: (packed E2M1 bytes [..., K/2], fp32 scales [..., K/block]).
 
     `e4m3_scale` selects the main-KV format (block 16, E4M3 scale); otherwise MXFP4 (block 32, E8M0).
     """
+    by_loop = _fp4_by_loop(x, block, e4m3_scale)
+    if by_loop is not None:
+        return pack_nibbles(by_loop[0]), by_loop[2]
     scaled, scale = _fp4_scaled(x, block, e4m3_scale)
     return pack_nibbles(e2m1_encode(scaled).flatten(-2)), scale
 
 
 def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
+    by_loop = _fp4_by_loop(x, block, e4m3_scale)
+    if by_loop is not None:  # (values of two E2M1 bits times a scale: exact in bf16 as in fp32)
+        return by_loop[1].to(x.dtype)
     scaled, scale = _fp4_scaled(x.detach(), block, e4m3_scale)
     return straight_through(x, (e2m1_decode(e2m1_encode(scaled)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype))
 
