@@ -127,28 +127,22 @@ _FP4_MAX, _FP4_RECIPROCAL = np.float32(6.0), np.float32(1.0 / 6.0)  # E2M1's lar
 _MXFP4_AMAX_FLOOR, _E4M3_SCALED_AMAX_FLOOR = np.float32(6 * 2.0**-126), np.float32(6 * 2.0**-9)
 
 
+# E2M1's magnitudes are 0, .5, 1, 1.5, 2, 3, 4, 6: the midpoints between them, and which ties go up
+# (to the even code: 0.75 -> 1, 1.75 -> 2, 3.5 -> 4), as `codecs.e2m1_encode` holds them
+_E2M1_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+_E2M1_TIE_GOES_UP = np.array([False, True, False, True, False, True, False])
+
+
 @numba.njit(cache=True, nogil=True)
 def _e2m1_code(v: float, cell: np.ndarray) -> int:
-    """The 4-bit E2M1 code of v (within ±6) as `codecs.e2m1_encode` finds it: the nearest of
-    0, .5, 1, 1.5, 2, 3, 4, 6, a tie going to the even code (up at 0.75, 1.75 and 3.5), the sign of
-    v (-0 too) in bit 3."""
-    a = abs(v)
-    if a <= 0.25:
-        code = 0
-    elif a < 0.75:
-        code = 1
-    elif a <= 1.25:
-        code = 2
-    elif a < 1.75:
-        code = 3
-    elif a <= 2.5:
-        code = 4
-    elif a < 3.5:
-        code = 5
-    elif a <= 5.0:
-        code = 6
-    else:
-        code = 7
+    """The 4-bit E2M1 code of v (within ±6) as `codecs.e2m1_encode` finds it: the number of
+    midpoints below |v| (its bucketize), one more on a midpoint whose tie goes up; the sign of v
+    (-0 too) in bit 3."""
+    a, code, last = abs(v), 0, _E2M1_MIDPOINTS.size
+    while code < last and a > _E2M1_MIDPOINTS[code]:
+        code += 1
+    if code < last and a == _E2M1_MIDPOINTS[code] and _E2M1_TIE_GOES_UP[code]:
+        code += 1
     cell[0] = v
     return code | ((cell.view(np.uint32)[0] >> np.uint32(28)) & np.uint32(8))
 
