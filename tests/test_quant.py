@@ -357,7 +357,13 @@ def test_filled_weight_caches_are_what_first_use_builds(rng):
     assert all(filled(eager))
     beside = [v for m in eager.modules() for v in vars(m).values() if isinstance(v, layers.LinearsBeside)]
     assert beside and all(b._joined is not None for b in beside)
+    assert all(b._joined_loop is not None for b in beside)
+    alone = [linear for linear in quantized(eager) if all(linear not in b.linears for b in beside)]
+    assert alone and all(linear._loop is not None for linear in alone)
     cached = {id(linear): linear._dequant[1] for linear in quantized(eager)}
+    layouts = {id(linear): linear._loop[1] for linear in alone} | {id(b): b._joined_loop[1] for b in beside}
     with torch.inference_mode():
         assert torch.equal(eager(ids).logits, lazy(ids).logits)
     assert all(linear._dequant[1] is cached[id(linear)] for linear in quantized(eager))  # nothing rebuilt
+    assert all(linear._loop[1] is layouts[id(linear)] for linear in alone)
+    assert all(b._joined_loop[1] is layouts[id(b)] for b in beside)

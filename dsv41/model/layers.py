@@ -177,15 +177,18 @@ class LinearsBeside:
 
 def fill_weight_caches(model: nn.Module) -> None:
     """Build every quantized linear's dequantized weights, and the side-by-side joins of those that
-    share an input, now instead of at first use: what a served model holds after its warm-up (whose
-    prefill stacks every routed expert), for measuring decode steps without a prefill before them,
-    where each routed expert's first token would pay its dequantization."""
+    share an input, now instead of at first use, each with its compiled loop's layout (a linear
+    inside a join only the join's): what a served model holds after its warm-up (whose prefill
+    stacks every routed expert), for measuring decode steps without a prefill before them, where
+    each routed expert's first token would pay its dequantization and layout."""
+    joins = [value for module in model.modules() for value in vars(module).values()
+             if isinstance(value, LinearsBeside) and all(linear.scale is not None for linear in value.linears)]
+    joined = {id(linear) for join in joins for linear in join.linears}
+    for join in joins:
+        join.joined_loop_layout()
     for module in model.modules():
-        if isinstance(module, Linear) and module.scale is not None:
-            module.dequantized()
-        for value in vars(module).values():
-            if isinstance(value, LinearsBeside) and all(linear.scale is not None for linear in value.linears):
-                value.joined()
+        if isinstance(module, Linear) and module.scale is not None and id(module) not in joined:
+            module.loop_layout()  # (dequantizes too; a joined linear's values came with its join)
 
 
 @functools.cache
