@@ -48,15 +48,20 @@ def test_the_loop_sums_each_block_by_fused_multiply_adds_in_order(rng):
         assert torch.equal(got.view(torch.int32), _fma_twin(a, a_scale, w, w_scale).view(torch.int32)), (m, n, nk)
 
 
-def test_grouped_loop_reads_each_groups_weight_in_place(rng):
-    experts, nk, n = 5, 3, 48
+def test_runs_of_rows_take_each_runs_weight_in_place(rng):
+    """Run e by weight e of the stacked layout; empty runs (experts no token chose) at the start, in
+    the middle and at the end are skipped."""
+    experts, nk, n = 6, 3, 48
     w, w_scale = _fp8(rng, experts, n, nk * 32), _scales(rng, experts, n, nk)
     layout = quant.loop_layout(w, w_scale)
-    groups = torch.tensor([4, 0, 2])
-    a, a_scale = _fp8(rng, 3, 7, nk * 32), _scales(rng, 3, 7, nk)
-    got = quant.grouped_block_scaled_rows(a, a_scale, layout, groups)
-    for g, e in enumerate(groups.tolist()):
-        assert torch.equal(got[g], _loop(a[g], a_scale[g], w[e], w_scale[e]))
+    lengths = [0, 3, 0, 1, 5, 0]
+    a, a_scale = _fp8(rng, sum(lengths), nk * 32), _scales(rng, sum(lengths), nk)
+    got = quant.runs_block_scaled_rows(a, a_scale, layout, torch.tensor(lengths).cumsum(0))
+    start = 0
+    for e, length in enumerate(lengths):
+        rows = slice(start, start + length)
+        assert torch.equal(got[rows], _loop(a[rows], a_scale[rows], w[e], w_scale[e]))
+        start += length
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -68,7 +73,7 @@ def test_where_the_check_admits_the_loop_it_gives_the_gemms_bits(rng, threads):
     try:
         admitted = 0
         for k, n in [(192, 96), (192, 448), (128, 192), (256, 1024), (512, 256)]:
-            if not quant._loop_keeps_bits(k, n, False, threads):
+            if not quant._loop_keeps_bits(k, n, threads):
                 continue
             admitted += 1
             w, w_scale = _fp8(rng, n, k), _scales(rng, n, k // 32)
@@ -86,7 +91,7 @@ def test_the_check_refuses_a_loop_one_ulp_off_and_admits_an_exact_one(monkeypatc
     result one ulp off at one row count it must refuse it."""
     check = quant._loop_keeps_bits.__wrapped__
     monkeypatch.setattr(quant, "block_scaled_matmul", lambda a, s, w, ws, block=32: _fma_twin(a, s, w, ws))
-    assert check(64, 24, False, 1)
+    assert check(64, 24, 1)
     exact = cpu_loops.block_scaled_rows
 
     def off_at_five_rows(a, a_scale, w_t, w_scale_t, out):
@@ -95,7 +100,7 @@ def test_the_check_refuses_a_loop_one_ulp_off_and_admits_an_exact_one(monkeypatc
             out[4, 3] = torch.nextafter(torch.tensor(out[4, 3]), torch.tensor(torch.inf)).item()
 
     monkeypatch.setattr(cpu_loops, "block_scaled_rows", off_at_five_rows)
-    assert not check(64, 24, False, 1)
+    assert not check(64, 24, 1)
 
 
 @pytest.fixture
@@ -105,7 +110,7 @@ def no_loop(monkeypatch):
         raise AssertionError("the compiled loop ran")
 
     monkeypatch.setattr(cpu_loops, "block_scaled_rows", refuse)
-    monkeypatch.setattr(cpu_loops, "grouped_block_scaled_rows", refuse)
+    monkeypatch.setattr(cpu_loops, "runs_block_scaled_rows", refuse)
 
 
 def _linear(rng: torch.Generator, storage: Storage, n_in: int = 96, n_out: int = 64) -> Linear:
@@ -145,7 +150,7 @@ def test_the_loop_is_used_where_the_check_admits_it_and_nowhere_else(rng, monkey
     monkeypatch.setattr(cpu_loops, "block_scaled_rows", lambda *a: calls.append(a[0].shape[0]) or exact(*a))
     with torch.inference_mode():
         linear(x)
-        assert calls == ([4] if quant._loop_keeps_bits(96, 64, False, torch.get_num_threads()) else [])
+        assert calls == ([4] if quant._loop_keeps_bits(96, 64, torch.get_num_threads()) else [])
         before = list(calls)
         monkeypatch.setattr(quant, "_loop_keeps_bits", lambda *a: False)
         linear(x)

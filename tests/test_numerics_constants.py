@@ -48,27 +48,6 @@ def test_block_scaled_matmul_adds_the_blocks_in_order_from_plus_zero(rng):
         assert torch.equal(_bits(block_scaled_matmul(a, a_scale, w, w_scale)), _bits(want))
 
 
-def test_grouped_block_scaled_matmul_adds_each_groups_blocks_in_order_from_plus_zero(rng):
-    """The grouped form (the routed experts; its partials are a strided view) against the same loop
-    per group, with blocks of far-apart scales, so that a pairwise or reordered sum would show."""
-    from dsv41.model.quant import block_major, grouped_block_scaled_matmul
-
-    for g, m, n, nk in [(1, 1, 1, 24), (3, 4, 40, 6), (2, 1, 8, 17)]:
-        a, w = torch.randn(g, m, nk * 32, generator=rng), torch.randn(g, n, nk * 32, generator=rng)
-        if g * m > 1:
-            a[0, 0] = -0.0
-        a_scale = torch.exp2(torch.randint(-12, 12, (g, m, nk), generator=rng).float())
-        w_scale = torch.exp2(torch.randint(-12, 12, (g, n, nk), generator=rng).float())
-        got = grouped_block_scaled_matmul(a, a_scale, block_major(w), w_scale)
-        for i in range(g):
-            partials = _block_products(a[i], w[i])
-            scaled = partials * a_scale[i].t().unsqueeze(-1) * w_scale[i].t().unsqueeze(1)
-            want = torch.zeros(m, n)
-            for j in range(nk):
-                want.add_(scaled[j])
-            assert torch.equal(_bits(got[i]), _bits(want))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dots_equal_the_einsum_they_replace(rng, dtype):
     """`numerics.dots` (bmm on a transposed view) gives torch.einsum's bits for index-score shapes:
@@ -252,8 +231,6 @@ def test_a_row_of_a_block_scaled_product_gets_the_same_bits_alone_as_in_a_batch(
 
 
 def _rows_alone_and_batched(rng) -> None:
-    from dsv41.model.quant import block_major, grouped_block_scaled_matmul
-
     def fp8(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=rng) * 16).to(torch.float8_e4m3fn).float()
 
@@ -267,15 +244,6 @@ def _rows_alone_and_batched(rng) -> None:
             for i in range(m):
                 alone = block_scaled_matmul(a[i:i + 1], a_scale[i:i + 1], w, w_scale)
                 assert torch.equal(_bits(alone), _bits(batch[i:i + 1])), (m, n, nk, i)
-            g = 3
-            ga, gw = fp8(g, m, nk * 32), block_major(fp8(g, n, nk * 32))
-            ga_scale = torch.exp2(torch.randint(-6, 6, (g, m, nk), generator=rng).float())
-            gw_scale = torch.exp2(torch.randint(-6, 6, (g, n, nk), generator=rng).float())
-            batch = grouped_block_scaled_matmul(ga, ga_scale, gw, gw_scale)
-            for i in range(m):
-                row, row_scale = ga[:, i:i + 1].contiguous(), ga_scale[:, i:i + 1].contiguous()
-                alone = grouped_block_scaled_matmul(row, row_scale, gw, gw_scale)
-                assert torch.equal(_bits(alone), _bits(batch[:, i:i + 1])), (m, n, nk, i)
 
 
 def test_rows_run_four_at_a_time_where_a_batched_product_would_sum_them_otherwise(rng, monkeypatch):

@@ -221,19 +221,6 @@ def test_block_scaled_matmul_adds_the_blocks_in_k_order(rng):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-def test_grouped_block_scaled_matmul_is_each_groups_block_scaled_matmul(rng):
-    """Three groups (experts) in one batched GEMM give each group's `block_scaled_matmul` bits, with
-    weights of far-apart scales so that a different summation order would show."""
-    a, a_scale = quant.fp8_quant(torch.randn(3, 7, 192, generator=rng) * torch.rand(3, 7, 1, generator=rng) * 50)
-    w = torch.randn(3, 40, 192, generator=rng) * torch.exp(torch.randn(3, 40, 1, generator=rng) * 4)
-    w, w_scale = quant.fp8_quant(w)
-    a, w = a.float(), w.float()
-    got = quant.grouped_block_scaled_matmul(a, a_scale, quant.block_major(w), w_scale)
-    for g in range(3):
-        want = quant.block_scaled_matmul(a[g], a_scale[g], w[g], w_scale[g])
-        assert torch.equal(got[g].view(torch.int32), want.view(torch.int32))
-
-
 def test_quantize_rows_loop_gives_fp8_quant_bits(rng):
     """The CPU loop behind `quantize_rows` gives `fp8_quant`'s values and scales bit for bit: wide
     ranges in fp32 and bf16, values exactly halfway between two E4M3 values (normal and

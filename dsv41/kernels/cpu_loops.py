@@ -261,11 +261,14 @@ def block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, w_sca
 
 
 @numba.njit(cache=True, nogil=True)
-def grouped_block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, w_scale_t: np.ndarray,
-                              groups: np.ndarray, out: np.ndarray) -> None:
-    """`block_scaled_rows` of G groups of rows a [G, M, K] (scales [G, M, K/32]), group g by weight
-    groups[g] of the stacked layouts w_t [E, K/32, 32, N] and w_scale_t [E, K/32, N], into out
-    [G, M, N]: the routed experts of a batched MoE step in one call."""
-    for g in range(a.shape[0]):
-        e = groups[g]
-        block_scaled_rows(a[g], a_scale[g], w_t[e], w_scale_t[e], out[g])
+def runs_block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, w_scale_t: np.ndarray,
+                           ends: np.ndarray, out: np.ndarray) -> None:
+    """`block_scaled_rows` of rows a [R, K] (scales [R, K/32]) in runs, run e (rows ends[e-1] to
+    ends[e]) by weight e of the stacked layouts w_t [E, K/32, 32, N] and w_scale_t [E, K/32, N],
+    into out [R, N]: the routed experts of a batched MoE step in one call."""
+    start = 0
+    for e in range(ends.shape[0]):
+        end = ends[e]
+        if end > start:
+            block_scaled_rows(a[start:end], a_scale[start:end], w_t[e], w_scale_t[e], out[start:end])
+        start = end

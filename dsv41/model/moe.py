@@ -7,18 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.model import numerics
-from dsv41.model.layers import BLOCK, Linear, LinearsBeside, QuantizedRows, Storage, quantize_rows
-from dsv41.model.quant import (
-    block_major,
-    grouped_block_scaled_matmul,
-    grouped_block_scaled_rows,
-    loop_layout,
-    loop_serves,
-)
+from dsv41.model.layers import Linear, LinearsBeside, QuantizedRows, Storage, quantize_rows
+from dsv41.model.quant import LoopLayout, loop_layout, loop_serves, runs_block_scaled_rows
 
-# A step of at most this many tokens runs its routed experts as one grouped GEMM per projection
-# (each expert's tokens padded to the busiest expert's count): below it the per-expert loop's
-# operator calls dominate; above it (prefill chunks) the padding would waste real work.
+# A step of at most this many tokens runs its routed experts as one compiled-loop call per
+# projection (`MoE._routed_grouped`): below it the per-expert loop's operator calls dominate; above
+# it (prefill chunks) the loop no longer serves (`quant.LOOP_ROWS`) and each expert's GEMM is worth its calls.
 GROUPED_MAX_TOKENS = 64
 
 
@@ -115,7 +109,7 @@ class MoE(nn.Module):
         self.gate = Gate(dim, n_experts, topk, route_scale, scoring, with_vision_bias, device)
         self.experts = nn.ModuleList(Expert(dim, inter, Storage.FP4, limit, device) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter, Storage.FP8, limit, device)
-        self._stacks: dict[tuple[str, str], tuple[tuple, tuple[torch.Tensor, ...]]] = {}
+        self._stacks: dict[str, tuple[tuple, LoopLayout]] = {}
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
                 routing: dict | None = None, sizes: list[int] | None = None) -> torch.Tensor:
@@ -149,66 +143,50 @@ class MoE(nn.Module):
         return y
 
     def _routed_grouped(self, x, weights, ids, quantized: QuantizedRows) -> torch.Tensor:
-        """`_routed_per_expert` with each projection of the experts as one batched GEMM: every
-        expert when more than half are in use (idle ones get padding rows; no weights copied),
-        else only those in use. Rows are padded to the busiest expert's count (padding rows carry
-        weight 0 and are dropped), and each token's outputs are added in increasing expert id as there."""
+        """`_routed_per_expert` with the (token, expert) pairs sorted by expert, so that each
+        expert's rows are one run: each projection is one compiled-loop call over every expert's
+        run, its weight read where it lies (or, where the loop does not serve, the expert's own
+        `Linear` per run). A row's products do not depend on the rows beside it, so nothing is padded,
+        and each token's outputs are added in increasing expert id as there."""
         n, k = ids.shape
-        group = ids.flatten()
-        counts = torch.bincount(group, minlength=len(self.experts))
-        used = torch.arange(len(self.experts))
-        if 2 * int((counts > 0).sum()) <= len(self.experts):  # few in use: only theirs (their weights picked)
-            used = counts.nonzero().squeeze(1)
-            group = (torch.cumsum(counts > 0, 0) - 1)[group]
-            counts = counts[used]
-        width = int(counts.max())
-        order = torch.argsort(group, stable=True)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(n * k) - (counts.cumsum(0) - counts)[group[order]]
-        padded = group * width + rank  # row of each (token, slot) pair in [experts in use * width]
-        tokens = torch.arange(n).repeat_interleave(k)
-        rows = torch.zeros(used.numel() * width, dtype=torch.long).index_put_((padded,), tokens)
-        row_weights = weights.new_zeros(rows.numel(), 1).index_put_((padded,), weights.reshape(-1, 1))
-        q = quantized[0][rows].unflatten(0, (-1, width)), quantized[1][rows].unflatten(0, (-1, width))
-        gate, up = self._grouped_linear("w1", used, q), self._grouped_linear("w3", used, q)
-        hidden = self.experts[0].activate(gate, up, row_weights.unflatten(0, (-1, width))).to(x.dtype)
-        hidden_q = tuple(t.unflatten(0, (-1, width)) for t in quantize_rows(hidden.flatten(0, 1)))
-        out = self._grouped_linear("w2", used, hidden_q).flatten(0, 1)
-        by_expert = out[padded.view(n, k).gather(1, ids.argsort(dim=1))]  # [n, k, dim], ascending expert id
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)  # pairs by expert, in token order within each
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        runs = counts.cumsum(0), int(counts.max())  # (where each expert's run ends, the longest run)
+        tokens = order // k
+        q = quantized[0][tokens], quantized[1][tokens]
+        gate, up = self._by_expert("w1", q, runs), self._by_expert("w3", q, runs)
+        hidden = self.experts[0].activate(gate, up, weights.reshape(-1, 1)[order]).to(x.dtype)
+        out = self._by_expert("w2", quantize_rows(hidden), runs)
+        place = torch.empty_like(order)
+        place[order] = torch.arange(n * k)
+        by_expert = out[place.view(n, k).sort(dim=1).values]  # [n, k, dim]: a token's pairs sort by expert id
         y = torch.zeros_like(x, dtype=torch.float32)
         for slot in range(k):
             y += by_expert[:, slot]
         return y
 
-    def _grouped_linear(self, name: str, used: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Projection `name` (w1, w2 or w3) of the experts `used` over their padded FP8 rows q
-        ([experts, width, K] values, [experts, width, K/32] scales) -> [experts, width, N] bf16,
-        as each expert's `Linear` computes it (the fast GEMM when DSV41_FAST_GEMM=1)."""
-        fast = numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
-        if not fast and loop_serves(q[0], getattr(self.experts[0], name).out_features, grouped=True):
-            return grouped_block_scaled_rows(*q, self._stacked(name, "loop"), used).to(torch.bfloat16)
-        stacked = self._stacked(name, "fast" if fast else "blocks")
-        if used.numel() < len(self.experts):
-            stacked = tuple(t[used] for t in stacked)
-        if fast:
-            y = torch.bmm((q[0].unflatten(-1, (-1, BLOCK)) * q[1].unsqueeze(-1)).flatten(-2), stacked[0])
-        else:
-            y = grouped_block_scaled_matmul(q[0], q[1], *stacked, BLOCK)
-        return y.to(torch.bfloat16)
+    def _by_expert(self, name: str, q: QuantizedRows, runs: tuple[torch.Tensor, int]) -> torch.Tensor:
+        """Projection `name` (w1, w2 or w3) of FP8 rows q ([R, K] values, [R, K/32] scales) whose
+        runs belong to expert 0, 1, ... in turn (`runs`: where each ends, the longest's length) ->
+        [R, N] bf16, each run as its expert's `Linear` computes it (the loop serves runs as long as
+        the longest, each row's products being its own)."""
+        linears = [getattr(expert, name) for expert in self.experts]
+        ends, longest = runs
+        if loop_serves(q[0][:longest], linears[0].out_features) and not numerics.opt_in(
+                "DSV41_FAST_GEMM", "one GEMM per quantized linear"):
+            return runs_block_scaled_rows(*q, self._stacked_loop(name), ends).to(torch.bfloat16)
+        bounds = [0, *ends.tolist()]
+        return torch.cat([linear(q[0][a:b], (q[0][a:b], q[1][a:b]))
+                          for linear, a, b in zip(linears, bounds, bounds[1:], strict=False) if b > a])
 
-    def _stacked(self, name: str, kind: str) -> tuple[torch.Tensor, ...]:
-        """Every routed expert's projection `name` stacked, cached until a weight changes: for kind
-        "fast" their real values [E, K, N] (the fast GEMM), "blocks" block-major values and per-row
-        scales (`grouped_block_scaled_matmul`), "loop" the compiled loop's layout (`quant.loop_layout`)."""
+    def _stacked_loop(self, name: str) -> LoopLayout:
+        """Every routed expert's projection `name` stacked in the compiled loop's layout
+        (`quant.loop_layout`), cached until a weight changes."""
         linears = [getattr(expert, name) for expert in self.experts]
         key = tuple(linear.version() for linear in linears)
-        cached = self._stacks.get((name, kind))
+        cached = self._stacks.get(name)
         if cached is None or cached[0] != key:
-            if kind == "fast":
-                stacked = (torch.stack([linear.scaled() for linear in linears]),)
-            else:
-                parts = zip(*(linear.dequantized() for linear in linears), strict=True)
-                values, scales = (torch.stack(t) for t in parts)
-                stacked = loop_layout(values, scales) if kind == "loop" else (block_major(values, BLOCK), scales)
-            cached = self._stacks[(name, kind)] = (key, stacked)
+            values, scales = (torch.stack(t) for t in zip(*(linear.dequantized() for linear in linears), strict=True))
+            cached = self._stacks[name] = (key, loop_layout(values, scales))
         return cached[1]

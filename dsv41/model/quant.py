@@ -186,14 +186,13 @@ def loop_layout(values: torch.Tensor, scale: torch.Tensor) -> LoopLayout:
     return blocks.movedim(-3, -1).contiguous(), scale.transpose(-1, -2).contiguous()
 
 
-def loop_serves(a: torch.Tensor, n: int, grouped: bool = False) -> bool:
+def loop_serves(a: torch.Tensor, n: int) -> bool:
     """Whether the compiled loop computes the block-scaled product of rows a [..., M, K] with
     [N, K] weights: a few rows (at most LOOP_ROWS) on the CPU, outside stable numerics and autograd,
-    at a shape where it gives this machine's GEMM bits (`_loop_keeps_bits`). `grouped`: for
-    `grouped_block_scaled_matmul` rather than `block_scaled_matmul`."""
+    at a shape where it gives this machine's GEMM bits (`_loop_keeps_bits`)."""
     return (a.size(-2) <= LOOP_ROWS and a.size(-1) % BLOCK_K == 0 and not numerics.is_stable()
             and not torch.is_grad_enabled() and cpu_loops.serves(a)
-            and _loop_keeps_bits(a.size(-1), n, grouped, torch.get_num_threads()))
+            and _loop_keeps_bits(a.size(-1), n, torch.get_num_threads()))
 
 
 def block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor, layout: LoopLayout) -> torch.Tensor:
@@ -205,64 +204,38 @@ def block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor, layout: LoopLayout
     return out
 
 
-def grouped_block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor, layout: LoopLayout,
-                              groups: torch.Tensor) -> torch.Tensor:
-    """`grouped_block_scaled_matmul` of a [G, M, K] (scales [G, M, K/32]) by weights groups [G] of a
-    stacked `loop_layout` ([E, ...]): each group's weight read where it lies, none copied."""
-    out = a.new_empty(a.size(0), a.size(1), layout[0].size(-1))
-    cpu_loops.grouped_block_scaled_rows(a.contiguous().numpy(), a_scale.contiguous().numpy(), layout[0].numpy(),
-                                        layout[1].numpy(), groups.long().contiguous().numpy(), out.numpy())
+def runs_block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor, layout: LoopLayout,
+                           ends: torch.Tensor) -> torch.Tensor:
+    """`block_scaled_rows` of rows a [R, K] (scales [R, K/32]) in runs, run e (rows ends[e-1] to
+    ends[e]) by weight e of a stacked `loop_layout` ([E, ...]), read where it lies: the routed
+    experts of a batched MoE step, their (token, expert) pairs sorted by expert, in one call."""
+    out = a.new_empty(a.size(0), layout[0].size(-1))
+    cpu_loops.runs_block_scaled_rows(a.contiguous().numpy(), a_scale.contiguous().numpy(), layout[0].numpy(),
+                                     layout[1].numpy(), ends.long().contiguous().numpy(), out.numpy())
     return out
 
 
 @functools.cache
-def _loop_keeps_bits(k: int, n: int, grouped: bool, threads: int) -> bool:
+def _loop_keeps_bits(k: int, n: int, threads: int) -> bool:
     """Whether the compiled loop gives the block-scaled GEMM's bits for [N, K] weights on this
     machine, at every row count it takes. Here MKL's fp32 kernels sum a 32-product block one fused
     multiply-add after another, which is what the loop does; but the BLAS picks its kernel by shape,
     layout and CPU, so random FP8 values at this shape decide it, once."""
     generator = torch.Generator().manual_seed(0)
-    groups = 3 if grouped else 1
 
     def fp8_rows(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale = fp8_quant(torch.randn(*shape, generator=generator) * 4, BLOCK_K)
         return q.float(), scale.float()
 
-    values, scale = fp8_rows(groups, n, k)
+    values, scale = fp8_rows(n, k)
     layout = loop_layout(values, scale)
     with torch.inference_mode():
         for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, LOOP_ROWS):
-            a, a_scale = fp8_rows(groups, rows, k)
-            if grouped:
-                expected = grouped_block_scaled_matmul(a, a_scale, block_major(values, BLOCK_K), scale, BLOCK_K)
-                got = grouped_block_scaled_rows(a, a_scale, layout, torch.arange(groups))
-            else:
-                expected = block_scaled_matmul(a[0], a_scale[0], values[0], scale[0], BLOCK_K)
-                got = block_scaled_rows(a[0], a_scale[0], (layout[0][0], layout[1][0]))
-            if not torch.equal(got, expected):
+            a, a_scale = fp8_rows(rows, k)
+            if not torch.equal(block_scaled_rows(a, a_scale, layout), block_scaled_matmul(a, a_scale, values, scale,
+                                                                                           BLOCK_K)):
                 return False
     return True
-
-
-def block_major(w: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """Stacked weights [G, N, K] -> [G, K/block, N, block]: every 32-wide block of a group's weight
-    in one contiguous matrix, the layout `grouped_block_scaled_matmul` multiplies without copying."""
-    g, n, k = w.shape
-    return w.view(g, n, k // block, block).transpose(1, 2).contiguous()
-
-
-def grouped_block_scaled_matmul(
-    a: torch.Tensor, a_scale: torch.Tensor, w_blocks: torch.Tensor, w_scale: torch.Tensor, block: int = 32
-) -> torch.Tensor:
-    """`block_scaled_matmul` of G groups in one batched GEMM (the routed experts of a MoE step):
-    a [G, M, K] and a_scale [G, M, K/block] as there, w_blocks [G, K/block, N, block] (`block_major`)
-    and w_scale [G, N, K/block]. Each group's result [G, M, N] is summed as `block_scaled_matmul`
-    sums it: exact products per block, then the blocks added in K order from +0."""
-    g, m, k = a.shape
-    nk, n = k // block, w_blocks.size(2)
-    a_blocks = a.view(g, m, nk, block).transpose(1, 2).reshape(g * nk, m, block)
-    partials = _block_products(a_blocks, w_blocks.flatten(0, 1).transpose(1, 2)).view(g, nk, m, n).transpose(0, 1)
-    return _add_scaled_blocks(partials, a_scale.permute(2, 0, 1), w_scale.permute(2, 0, 1))
 
 
 ALONE_ROWS = 4  # the fewest rows a block product is computed with (`_block_products`)
