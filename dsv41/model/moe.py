@@ -109,7 +109,8 @@ class MoE(nn.Module):
         self.gate = Gate(dim, n_experts, topk, route_scale, scoring, with_vision_bias, device)
         self.experts = nn.ModuleList(Expert(dim, inter, Storage.FP4, limit, device) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter, Storage.FP8, limit, device)
-        self._stacks: dict[str, tuple[tuple, LoopLayout]] = {}
+        self._stacks: dict[tuple[str, ...], tuple[tuple, LoopLayout]] = {}
+        self._linears: dict[tuple[str, ...], list[list[Linear]]] = {}
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
                 routing: dict | None = None, sizes: list[int] | None = None) -> torch.Tensor:
@@ -155,38 +156,42 @@ class MoE(nn.Module):
         runs = counts.cumsum(0), int(counts.max())  # (where each expert's run ends, the longest run)
         tokens = order // k
         q = quantized[0][tokens], quantized[1][tokens]
-        gate, up = self._by_expert("w1", q, runs), self._by_expert("w3", q, runs)
+        gate, up = self._by_expert(("w1", "w3"), q, runs).chunk(2, dim=-1)
         hidden = self.experts[0].activate(gate, up, weights.reshape(-1, 1)[order]).to(x.dtype)
-        out = self._by_expert("w2", quantize_rows(hidden), runs)
-        place = torch.empty_like(order)
-        place[order] = torch.arange(n * k)
-        by_expert = out[place.view(n, k).sort(dim=1).values]  # [n, k, dim]: a token's pairs sort by expert id
+        out = self._by_expert(("w2",), quantize_rows(hidden), runs)
+        place = order.argsort().view(n, k)  # where each (token, slot) pair went
+        by_expert = out[place.sort(dim=1).values]  # [n, k, dim]: a token's pairs sort by expert id
         y = torch.zeros_like(x, dtype=torch.float32)
         for slot in range(k):
             y += by_expert[:, slot]
         return y
 
-    def _by_expert(self, name: str, q: QuantizedRows, runs: tuple[torch.Tensor, int]) -> torch.Tensor:
-        """Projection `name` (w1, w2 or w3) of FP8 rows q ([R, K] values, [R, K/32] scales) whose
-        runs belong to expert 0, 1, ... in turn (`runs`: where each ends, the longest's length) ->
-        [R, N] bf16, each run as its expert's `Linear` computes it (the loop serves runs as long as
-        the longest, each row's products being its own)."""
-        linears = [getattr(expert, name) for expert in self.experts]
+    def _by_expert(self, names: tuple[str, ...], q: QuantizedRows, runs: tuple[torch.Tensor, int]) -> torch.Tensor:
+        """Projections `names` (w1 and w3 side by side, or w2) of FP8 rows q ([R, K] values, [R, K/32]
+        scales) whose runs belong to expert 0, 1, ... in turn (`runs`: where each ends, the longest's
+        length) -> [R, sum of N] bf16, each run as its expert's `Linear`s compute it. The loop serves
+        runs as long as the longest where it serves each projection alone: a row's products and an
+        output column's sums are its own, so neither the runs nor the side-by-side weights change them."""
         ends, longest = runs
-        if loop_serves(q[0][:longest], linears[0].out_features) and not numerics.opt_in(
+        widths = {getattr(self.experts[0], name).out_features for name in names}
+        if all(loop_serves(q[0][:longest], width) for width in widths) and not numerics.opt_in(
                 "DSV41_FAST_GEMM", "one GEMM per quantized linear"):
-            return runs_block_scaled_rows(*q, self._stacked_loop(name), ends).to(torch.bfloat16)
+            return runs_block_scaled_rows(*q, self._stacked_loop(names), ends).to(torch.bfloat16)
         bounds = [0, *ends.tolist()]
-        return torch.cat([linear(q[0][a:b], (q[0][a:b], q[1][a:b]))
-                          for linear, a, b in zip(linears, bounds, bounds[1:], strict=False) if b > a])
+        return torch.cat([torch.cat([getattr(expert, name)(q[0][a:b], (q[0][a:b], q[1][a:b])) for name in names], -1)
+                          for expert, a, b in zip(self.experts, bounds, bounds[1:], strict=False) if b > a])
 
-    def _stacked_loop(self, name: str) -> LoopLayout:
-        """Every routed expert's projection `name` stacked in the compiled loop's layout
-        (`quant.loop_layout`), cached until a weight changes."""
-        linears = [getattr(expert, name) for expert in self.experts]
-        key = tuple(linear.version() for linear in linears)
-        cached = self._stacks.get(name)
+    def _stacked_loop(self, names: tuple[str, ...]) -> LoopLayout:
+        """Every routed expert's projections `names`, side by side, stacked in the compiled loop's
+        layout (`quant.loop_layout`), cached until a weight changes."""
+        linears = self._linears.get(names)
+        if linears is None:  # (a submodule's lookup costs about a microsecond; the stacks are checked per step)
+            linears = self._linears[names] = [[getattr(expert, name) for name in names] for expert in self.experts]
+        key = tuple(linear.version() for mine in linears for linear in mine)
+        cached = self._stacks.get(names)
         if cached is None or cached[0] != key:
-            values, scales = (torch.stack(t) for t in zip(*(linear.dequantized() for linear in linears), strict=True))
-            cached = self._stacks[name] = (key, loop_layout(values, scales))
+            parts = [[linear.dequantized() for linear in mine] for mine in linears]
+            values = torch.stack([torch.cat([v for v, _ in mine]) for mine in parts])
+            scales = torch.stack([torch.cat([s for _, s in mine]) for mine in parts])
+            cached = self._stacks[names] = (key, loop_layout(values, scales))
         return cached[1]
