@@ -239,6 +239,7 @@ def test_quantize_rows_loop_gives_fp8_quant_bits(rng):
     rows = x.reshape(-1, 256)  # finite rows: the loop itself answered, not the general path
     assert cpu_loops.fp8_quantize_rows(rows.numpy(), torch.empty_like(rows).numpy(), rows.new_empty(15, 8).numpy())
     block = torch.randn(32, generator=rng) * 40
+    block[0] = block.abs().max()  # the amax where the ties below do not overwrite it: the scale stays
     scale = quant.fp8_quant(block)[1]
     ties = torch.tensor([1.0625, 1.1875, 3.25 + 0.125, -1.0625, 2.0**-10, 3 * 2.0**-10, -5 * 2.0**-10, 7.5 * 2.0**-9])
     block[1 : 1 + ties.numel()] = ties * scale  # |ties| * scale stays below the block's amax
@@ -249,6 +250,28 @@ def test_quantize_rows_loop_gives_fp8_quant_bits(rng):
     special = torch.randn(3, 64, generator=rng)
     special[0, 5], special[2, 40] = float("nan"), -float("inf")
     check(special)
+
+
+def test_quantize_rows_loop_rounds_every_e4m3_midpoint_and_boundary_as_fp8_quant(rng):
+    """Every midpoint between two finite E4M3 values (either sign; ties to even), values at and just
+    below the smallest normal 2^-6 and at the ±448 clamp, in blocks whose scales lie 2^±40 apart,
+    from fp32 and bf16 rows: the loop's values and scales are `fp8_quant`'s bit for bit."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    middles = (grid[:-1] + grid[1:]) / 2  # exact in fp32
+    n = 64
+    x = torch.randn(n, 6, 32, generator=rng) * torch.exp2(torch.randint(-40, 40, (n, 6, 1), generator=rng).float())
+    scale = quant.fp8_quant(x.reshape(n, 192))[1].reshape(n, 6, 1)
+    picked = middles[torch.randint(0, middles.numel(), (n, 6, 10), generator=rng)]
+    sign = torch.where(torch.rand(n, 6, 10, generator=rng) < 0.5, -1.0, 1.0)
+    x[:, :, 20:30] = (picked * sign).clamp(-447, 447) * scale  # at most the block's amax: the scale stays
+    x[:, :, 30], x[:, :, 31] = 2.0**-6 * scale[..., 0], -(2.0**-6 - 2.0**-10) * scale[..., 0]
+    x[:8, :, 0] = 448 * scale[:8, :, 0]
+    for rows in (x.reshape(n, 192), x.reshape(n, 192).bfloat16()):
+        want_q, want_s = quant.fp8_quant(rows)
+        values, scales = quantize_rows(rows)
+        assert torch.equal(values.view(torch.int32), want_q.float().view(torch.int32))
+        assert torch.equal(scales.view(torch.int32), want_s.view(torch.int32))
 
 
 @pytest.mark.parametrize("block, e4m3_scale", [(32, False), (16, True)], ids=["mxfp4", "main_kv"])

@@ -60,23 +60,6 @@ _SMALLEST_NORMAL, _SUBNORMAL_STEPS = np.float32(2.0**-6), np.float32(512.0)
 
 
 @numba.njit(cache=True, nogil=True)
-def _fp8_scale(x: np.ndarray, r: int, start: int, cell: np.ndarray) -> float:
-    """The power-of-two scale of the block x[r, start:start+32] as `quant.fp8_quant` finds it
-    (amax clamped to >= 1e-4, the ceiling of amax * (1/448) by adding to its bits), or -1 where the
-    block holds a NaN or infinity. `cell`: a float32 scratch of one element."""
-    amax = np.float32(0.0)
-    for i in range(start, start + FP8_BLOCK):
-        a = abs(x[r, i])
-        if not a < np.inf:
-            return -1.0
-        amax = max(amax, a)
-    cell[0] = max(amax, np.float32(1e-4)) * np.float32(1.0 / 448.0)
-    bits = cell.view(np.uint32)
-    bits[0] = (bits[0] + np.uint32(0x7FFFFF)) & np.uint32(0x7F800000)
-    return cell[0]
-
-
-@numba.njit(cache=True, nogil=True)
 def _e4m3_rounded(v: float, cell: np.ndarray) -> float:
     """v clamped to ±448 and rounded to the nearest E4M3 value, ties to even (below 2^-6 in steps of
     2^-9), as torch's float8_e4m3fn cast rounds; the sign kept (-0 too)."""
@@ -105,21 +88,51 @@ def _e4m3_code(rounded: float, cell: np.ndarray) -> int:
     return sign | (exponent << np.uint32(3)) | ((bits >> np.uint32(20)) & np.uint32(7))
 
 
+_SMALLEST_NORMAL_BITS = np.uint32(0x3C800000)  # 2^-6, E4M3's smallest normal value, as float32 bits
+_SUBNORMAL_SHIFTER = np.float32(2.0**14)  # its float32 ulp is 2^-9: adding it rounds to E4M3's subnormal steps
+
+
 @numba.njit(cache=True, nogil=True)
 def fp8_quantize_rows(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> bool:
     """`quant.fp8_quant` of float32 rows x [rows, K], its E4M3 values written as float32 into values
-    [rows, K] and its scales into scales [rows, K/32]; False (outputs unfinished) at the first NaN
-    or infinity, which take the general path."""
+    [rows, K] (C-contiguous) and its scales into scales [rows, K/32]; False (outputs unfinished) at
+    the first NaN or infinity, which take the general path.
+
+    A block's scale is amax (clamped to >= 1e-4) times 1/448, raised to a power of two by adding to
+    its bits. Each value is divided by it (a product with its exact inverse), clamped to ±448 and
+    rounded to E4M3, ties to even: below 2^-6 by adding and subtracting 2^14 (whose ulp is E4M3's
+    subnormal step 2^-9), above by rounding the float32 bits to 3 mantissa bits. Each step is a
+    loop over the block without branches between its elements, which the compiler vectorizes."""
     rows, k = x.shape
     cell = np.empty(1, np.float32)
+    below = np.empty(FP8_BLOCK, np.float32)  # each value's rounding in the subnormal steps
+    below_bits, value_bits = below.view(np.uint32), values.view(np.uint32)
     for r in range(rows):
         for start in range(0, k, FP8_BLOCK):
-            scale = _fp8_scale(x, r, start, cell)
-            if scale < 0:
-                return False
-            scales[r, start // FP8_BLOCK] = scale
+            amax, finite = np.float32(0.0), True
             for i in range(start, start + FP8_BLOCK):
-                values[r, i] = _e4m3_rounded(x[r, i] / scale, cell)
+                a = abs(x[r, i])
+                finite &= a < np.inf
+                amax = max(amax, a)
+            if not finite:
+                return False
+            cell[0] = max(amax, np.float32(1e-4)) * np.float32(1.0 / 448.0)
+            bits = cell.view(np.uint32)
+            bits[0] = (bits[0] + np.uint32(0x7FFFFF)) & np.uint32(0x7F800000)
+            scale = cell[0]
+            scales[r, start // FP8_BLOCK] = scale
+            inverse = np.float32(1.0) / scale  # a power of two: the product is the quotient
+            for i in range(FP8_BLOCK):
+                v = min(max(x[r, start + i] * inverse, -_FP8_MAX), _FP8_MAX)
+                values[r, start + i] = v
+                below[i] = (abs(v) + _SUBNORMAL_SHIFTER) - _SUBNORMAL_SHIFTER
+            for i in range(FP8_BLOCK):
+                b = value_bits[r, start + i]
+                magnitude = b & np.uint32(0x7FFFFFFF)
+                normal = (magnitude + np.uint32(0x7FFFF) + ((magnitude >> np.uint32(20)) & np.uint32(1))) \
+                    & np.uint32(0xFFF00000)
+                rounded = below_bits[i] if magnitude < _SMALLEST_NORMAL_BITS else normal
+                value_bits[r, start + i] = (b & np.uint32(0x80000000)) | rounded
     return True
 
 
