@@ -7,7 +7,7 @@ import torch
 
 from dsv41.kernels import cpu_loops
 from dsv41.model import quant
-from dsv41.model.layers import Linear, LinearsBeside, Storage
+from dsv41.model.layers import Linear, LinearsBeside, Storage, quantize_rows
 from dsv41.model.numerics import stable_numerics
 
 
@@ -111,6 +111,7 @@ def no_loop(monkeypatch):
 
     monkeypatch.setattr(cpu_loops, "block_scaled_rows", refuse)
     monkeypatch.setattr(cpu_loops, "runs_block_scaled_rows", refuse)
+    monkeypatch.setattr(cpu_loops, "quantized_block_scaled_rows", refuse)
 
 
 def _linear(rng: torch.Generator, storage: Storage, n_in: int = 96, n_out: int = 64) -> Linear:
@@ -143,18 +144,41 @@ def test_quantized_linears_give_the_same_bits_with_and_without_the_loop(rng, sto
 
 
 def test_the_loop_is_used_where_the_check_admits_it_and_nowhere_else(rng, monkeypatch):
+    """A linear given its input quantizes and multiplies in one call; given quantized rows (an input
+    shared with other linears), it multiplies them."""
     linear = _linear(rng, Storage.FP8)
     x = torch.randn(4, 96, generator=rng).bfloat16()
     calls = []
-    exact = cpu_loops.block_scaled_rows
-    monkeypatch.setattr(cpu_loops, "block_scaled_rows", lambda *a: calls.append(a[0].shape[0]) or exact(*a))
+    for name in ("block_scaled_rows", "quantized_block_scaled_rows"):
+        exact = getattr(cpu_loops, name)
+        monkeypatch.setattr(cpu_loops, name, lambda *a, name=name, exact=exact: calls.append((name, a[0].shape[0]))
+                            or exact(*a))
+    admitted = quant._loop_keeps_bits(96, 64, torch.get_num_threads())
     with torch.inference_mode():
         linear(x)
-        assert calls == ([4] if quant._loop_keeps_bits(96, 64, torch.get_num_threads()) else [])
+        linear(x, quantize_rows(x))
+        assert calls == ([("quantized_block_scaled_rows", 4), ("block_scaled_rows", 4)] if admitted else [])
         before = list(calls)
         monkeypatch.setattr(quant, "_loop_keeps_bits", lambda *a: False)
         linear(x)
+        linear(x, quantize_rows(x))
         assert calls == before
+
+
+def test_quantizing_and_multiplying_in_one_call_gives_the_two_calls_bits(rng):
+    """`quant.quantized_block_scaled_rows` against `quantize_rows` then `block_scaled_rows`, on
+    rows spread over wide ranges; a row with an infinity is left to the general quantizer (None)."""
+    w, w_scale = _fp8(rng, 48, 96), _scales(rng, 48, 3)
+    layout = quant.loop_layout(w, w_scale)
+    for rows in (1, 5, quant.LOOP_ROWS):
+        x = torch.randn(rows, 96, generator=rng) * torch.exp2(torch.randint(-20, 20, (rows, 3, 1), generator=rng)
+                                                              .float()).expand(-1, -1, 32).flatten(1)
+        for source in (x, x.bfloat16()):
+            got = quant.quantized_block_scaled_rows(source, layout)
+            want = quant.block_scaled_rows(*quantize_rows(source), layout)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), rows
+    x[0, 7] = torch.inf
+    assert quant.quantized_block_scaled_rows(x, layout) is None
 
 
 @pytest.mark.usefixtures("no_loop")

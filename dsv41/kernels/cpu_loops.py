@@ -274,6 +274,18 @@ def block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, w_sca
 
 
 @numba.njit(cache=True, nogil=True)
+def quantized_block_scaled_rows(x: np.ndarray, w_t: np.ndarray, w_scale_t: np.ndarray, out: np.ndarray) -> bool:
+    """`block_scaled_rows` of `fp8_quantize_rows(x)` in one call (a quantized linear whose input no
+    other linear shares); False (output unfinished) at a NaN or infinity, as there."""
+    values = np.empty_like(x)
+    scales = np.empty((x.shape[0], x.shape[1] // FP8_BLOCK), np.float32)
+    if not fp8_quantize_rows(x, values, scales):
+        return False
+    block_scaled_rows(values, scales, w_t, w_scale_t, out)
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
 def runs_block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, w_scale_t: np.ndarray,
                            ends: np.ndarray, out: np.ndarray) -> None:
     """`block_scaled_rows` of rows a [R, K] (scales [R, K/32]) in runs, run e (rows ends[e-1] to

@@ -18,6 +18,7 @@ from dsv41.model.quant import (
     fp8_quant,
     loop_layout,
     loop_serves,
+    quantized_block_scaled_rows,
     unpack_e2m1,
 )
 
@@ -109,8 +110,13 @@ class Linear(nn.Module):
         (`numerics.linear`); the block-scaled products of a quantized weight sum each row alone anyway."""
         if self.scale is None:
             return numerics.linear(x, self.weight, rows)
+        fast = numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
+        if quantized is None and not fast and loop_serves(x.reshape(-1, x.size(-1)), self.out_features):
+            y = quantized_block_scaled_rows(x, self.loop_layout())
+            if y is not None:
+                return y.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
         q, q_scale = quantized if quantized is not None else quantize_rows(x)
-        if numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear"):
+        if fast:
             y = torch.mm((q.unflatten(1, (-1, BLOCK)) * q_scale.unsqueeze(-1)).flatten(1), self.scaled())
         elif loop_serves(q, self.out_features):
             y = block_scaled_rows(q, q_scale, self.loop_layout())
@@ -141,18 +147,23 @@ class LinearsBeside:
     def __call__(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> list[torch.Tensor]:
         if any(linear.scale is None for linear in self.linears):
             return [linear(x) for linear in self.linears]
-        quantized = quantized if quantized is not None else quantize_rows(x)
         widths = [linear.out_features for linear in self.linears]
-        rows = quantized[0].size(0)
+        flat = x.reshape(-1, x.size(-1))
+        rows = flat.size(0)
         if (rows > SIDE_BY_SIDE_ROWS or numerics.is_stable() or torch.is_grad_enabled()
                 or numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
-                or not _beside_keeps_bits(quantized[0].size(1), tuple(widths), rows, torch.get_num_threads())):
+                or not _beside_keeps_bits(x.size(-1), tuple(widths), rows, torch.get_num_threads())):
+            quantized = quantized if quantized is not None else quantize_rows(x)
             return [linear(x, quantized) for linear in self.linears]
         values, scale = self.joined()
-        if loop_serves(quantized[0], values.size(0)):
-            y = block_scaled_rows(*quantized, self.joined_loop_layout()).to(torch.bfloat16)
-        else:
-            y = block_scaled_matmul(*quantized, values, scale, BLOCK).to(torch.bfloat16)
+        y = None
+        if loop_serves(flat, values.size(0)):
+            y = (quantized_block_scaled_rows(x, self.joined_loop_layout()) if quantized is None
+                 else block_scaled_rows(*quantized, self.joined_loop_layout()))
+        if y is None:
+            quantized = quantized if quantized is not None else quantize_rows(x)
+            y = block_scaled_matmul(*quantized, values, scale, BLOCK)
+        y = y.to(torch.bfloat16)
         return [part.reshape(*x.shape[:-1], part.size(-1)) for part in y.split(widths, dim=-1)]
 
     def joined(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -204,6 +204,17 @@ def block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor, layout: LoopLayout
     return out
 
 
+def quantized_block_scaled_rows(x: torch.Tensor, layout: LoopLayout) -> torch.Tensor | None:
+    """`block_scaled_rows` of x [..., K] through `layers.quantize_rows` -> [rows, N], in one compiled
+    call (about 5 us a call less than quantizing and multiplying apart); None where x holds a NaN
+    or infinity (the general quantizer then takes it). The same bits where `loop_serves`."""
+    rows = x.reshape(-1, x.size(-1)).float().contiguous()
+    out = rows.new_empty(rows.size(0), layout[0].size(-1))
+    if cpu_loops.quantized_block_scaled_rows(rows.numpy(), layout[0].numpy(), layout[1].numpy(), out.numpy()):
+        return out
+    return None
+
+
 def runs_block_scaled_rows(a: torch.Tensor, a_scale: torch.Tensor, layout: LoopLayout,
                            ends: torch.Tensor) -> torch.Tensor:
     """`block_scaled_rows` of rows a [R, K] (scales [R, K/32]) in runs, run e (rows ends[e-1] to
