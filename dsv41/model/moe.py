@@ -173,20 +173,26 @@ class MoE(nn.Module):
         runs as long as the longest where it serves each projection alone: a row's products and an
         output column's sums are its own, so neither the runs nor the side-by-side weights change them."""
         ends, longest = runs
-        widths = {getattr(self.experts[0], name).out_features for name in names}
-        if all(loop_serves(q[0][:longest], width) for width in widths) and not numerics.opt_in(
+        linears = self._projections(names)
+        if all(loop_serves(q[0][:longest], linear.out_features) for linear in linears[0]) and not numerics.opt_in(
                 "DSV41_FAST_GEMM", "one GEMM per quantized linear"):
             return runs_block_scaled_rows(*q, self._stacked_loop(names), ends).to(torch.bfloat16)
         bounds = [0, *ends.tolist()]
-        return torch.cat([torch.cat([getattr(expert, name)(q[0][a:b], (q[0][a:b], q[1][a:b])) for name in names], -1)
-                          for expert, a, b in zip(self.experts, bounds, bounds[1:], strict=False) if b > a])
+        return torch.cat([torch.cat([linear(q[0][a:b], (q[0][a:b], q[1][a:b])) for linear in mine], -1)
+                          for mine, a, b in zip(linears, bounds, bounds[1:], strict=False) if b > a])
+
+    def _projections(self, names: tuple[str, ...]) -> list[list[Linear]]:
+        """Each routed expert's linears `names`, looked up once (a submodule's lookup costs about a
+        microsecond, and a batched step asks in every layer)."""
+        linears = self._linears.get(names)
+        if linears is None:
+            linears = self._linears[names] = [[getattr(expert, name) for name in names] for expert in self.experts]
+        return linears
 
     def _stacked_loop(self, names: tuple[str, ...]) -> LoopLayout:
         """Every routed expert's projections `names`, side by side, stacked in the compiled loop's
         layout (`quant.loop_layout`), cached until a weight changes."""
-        linears = self._linears.get(names)
-        if linears is None:  # (a submodule's lookup costs about a microsecond; the stacks are checked per step)
-            linears = self._linears[names] = [[getattr(expert, name) for name in names] for expert in self.experts]
+        linears = self._projections(names)
         key = tuple(linear.version() for mine in linears for linear in mine)
         cached = self._stacks.get(names)
         if cached is None or cached[0] != key:
