@@ -234,11 +234,17 @@ BatchIds = Annotated[list[RequestId], msgspec.Meta(max_length=MAX_BATCH)]
 BatchCounts = Annotated[list[Count], msgspec.Meta(max_length=MAX_BATCH)]
 
 
+# The routing id a caller gives its own connection to the decoder, so that the decoder answers a
+# batched step to it directly (empty: the encoder passes the decoder's reply on).
+ReplyTo = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
 class BatchStep(Message):
     """One step of several requests (1..k tokens each), computed as one batch."""
 
     request_id: RequestId  # of the batch
     items: Annotated[list[StepItem], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+    reply_to: ReplyTo = b""
 
 
 class ItemError(msgspec.Struct, frozen=True, array_like=True, gc=False, forbid_unknown_fields=True):
@@ -258,6 +264,8 @@ class DecoderBatchStep(Message):
     streams: Tensor  # [1, sum(sizes), hc, dim]
     pre_mix: Tensor
     verify: Annotated[list[bool], msgspec.Meta(max_length=MAX_BATCH)] = []  # per request (StepItem.verify)
+    errors: Annotated[list[ItemError], msgspec.Meta(max_length=MAX_BATCH)] = []  # the encoder's, passed on
+    reply_to: ReplyTo = b""  # BatchStep.reply_to: the decoder's reply goes there (the Server routes it)
 
 
 class BatchLogits(Message):

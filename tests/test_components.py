@@ -271,6 +271,24 @@ def test_decoder_steps_a_batch_like_the_in_process_batch(running, model, rng):
     assert [(e.request_id, e.code) for e in answer.errors] == [(99, m.ErrorCode.UNKNOWN_REQUEST)]
     assert torch.equal(m.tensor(answer.logits, frames), torch.cat(expected))
     assert torch.equal(m.tensor(answer.main_hidden, frames), torch.cat(hidden))
+    # a step with a reply route is answered on the connection it names, the encoder's errors first
+    asker = Peer(r.endpoints["decoder"], "decoder", timeout_s=60, routing_id=b"dspark-test")
+    r.peers.append(asker)
+    _wait_for(asker.check_connection)
+    starts = [seqs[31].cache.length, seqs[32].cache.length]
+    x, pre_mix = core.encode_tokens_batch(list(seqs.values()), [[3], [4]])
+    out = m.Frames()
+    passed_on = m.ItemError(request_id=77, code=m.ErrorCode.UNKNOWN_REQUEST, component="encoder", text="unknown")
+    peer.send(m.DecoderBatchStep(request_id=42, request_ids=[31, 32, 98], starts=[*starts, 0], sizes=[1, 1, 1],
+                                 streams=out.add(torch.cat([x, x[:, :1]], dim=1)),
+                                 pre_mix=out.add(torch.cat([pre_mix, pre_mix[:, :1]], dim=1)), errors=[passed_on],
+                                 reply_to=b"dspark-test"), out)
+    answer, frames = asker.receive(42)
+    expected, _ = core.decode_streams_batch(list(seqs.values()), x, pre_mix, starts, [1, 1])
+    assert (answer.request_ids, answer.sizes) == ([31, 32], [1, 1])
+    assert [(e.request_id, e.component) for e in answer.errors] == [(77, "encoder"), (98, "decoder")]
+    assert torch.equal(m.tensor(answer.logits, frames), torch.cat(expected))
+    assert not peer.sock.poll(200)  # nothing came back on the connection that sent it
 
 
 def test_a_full_page_pool_fails_only_the_request_that_needs_a_page(running, model, rng):
@@ -449,6 +467,16 @@ def test_encoder_steps_a_batch_and_reports_the_requests_it_cannot_step(running, 
     frames = [memoryview(f) for f in frames]
     assert (sent.request_ids, sent.starts, sent.sizes) == ([51, 52], [9, 30], [1, 2])
     assert torch.equal(m.tensor(sent.streams, frames), x) and torch.equal(m.tensor(sent.pre_mix, frames), pre_mix)
+    assert (sent.errors, sent.reply_to) == ([], b"")  # the encoder adds its errors to the reply it passes on
+    # with a reply route the decoder answers the caller: the encoder sends its errors along, answers nothing
+    items = [m.StepItem(request_id=51, ids=m.pack_ids([7])), m.StepItem(request_id=78, ids=m.pack_ids([4]))]
+    peer.send(m.BatchStep(request_id=61, items=items, reply_to=b"dspark-1"))
+    _wait_for(lambda: decoder.received[-1][0].request_id == 61)
+    sent = decoder.received[-1][0]
+    assert (sent.request_ids, sent.reply_to) == ([51], b"dspark-1")
+    assert [(e.request_id, e.code, e.component) for e in sent.errors] == [(78, m.ErrorCode.UNKNOWN_REQUEST, "encoder")]
+    assert not peer.sock.poll(200)
+    assert peer.ping().counters["steps_answered_by_decoder"] == 1
 
 
 def test_encoder_refuses_ids_steps_and_capacities_out_of_range_before_computing(running):

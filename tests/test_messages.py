@@ -476,6 +476,14 @@ def test_capacities_past_the_longest_context_are_malformed(message):
     _raises([*_wire(m.encode(message)), *frames], m.ErrorCode.MALFORMED, f"<= {m.MAX_TOKENS}")
 
 
+def test_a_reply_route_over_64_bytes_is_malformed():
+    item = m.StepItem(request_id=2, ids=m.pack_ids([1]))
+    assert m.decode(_wire(m.encode(m.BatchStep(request_id=1, items=[item], reply_to=b"r" * 64))))[0].reply_to == \
+        b"r" * 64
+    parts = _wire(m.encode(m.BatchStep(request_id=1, items=[item], reply_to=b"r" * 65)))
+    _raises(parts, m.ErrorCode.MALFORMED, "Expected `bytes` of length <= 64")
+
+
 # --- sizes ------------------------------------------------------------------------------------------
 
 def test_a_message_over_its_kinds_limit_is_too_large_before_it_is_decoded():

@@ -128,3 +128,5 @@ def test_requests_in_flight_together_are_stepped_in_batches(prompts, root):
         counters = encoder.ping().counters
         encoder.close()
     assert counters["step_tokens"] == 4 * 29 and counters["batches"] < counters["step_tokens"]
+    # dspark's connection to the decoder is up long before the first step: the decoder answers it directly
+    assert counters["steps_answered_by_decoder"] == counters["batches"]

@@ -12,12 +12,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -406,6 +408,111 @@ def test_replies_to_abandoned_requests_are_skipped(net, transport):
     served.component.release.set()
     peer.timeout_s = 30.0
     assert _echo_call(peer, "fresh", 2) == list(b"fresh")  # the late reply to 1 arrives first and is dropped
+
+
+# --- replies routed past a relay ------------------------------------------------------------------
+
+class Stepper(Echo):
+    """BatchStep -> an empty BatchLogits; items of request 0 fail. `routed`: whether a BatchStep's
+    reply goes where its reply_to says."""
+
+    accepts = frozenset({m.KIND.TOKENIZE, m.KIND.BATCH_STEP})
+
+    def __init__(self, routed: bool):
+        super().__init__()
+        self.routed = frozenset({m.KIND.BATCH_STEP}) if routed else frozenset()
+
+    def handle(self, message, frames, reply):
+        if not isinstance(message, m.BatchStep):
+            return super().handle(message, frames, reply)
+        if message.items[0].request_id == 0:
+            raise m.MessageError(m.ErrorCode.INVALID_REQUEST, "request 0 cannot step")
+        out = m.Frames()
+        reply(m.BatchLogits(request_id=message.request_id, request_ids=[], sizes=[],
+                            logits=out.add(torch.empty(0))), out)
+
+
+def _step(request_id: int, item: int, reply_to: bytes) -> m.BatchStep:
+    return m.BatchStep(request_id=request_id, items=[m.StepItem(request_id=item, ids=m.pack_ids([1]))],
+                       reply_to=reply_to)
+
+
+def _connected(peer: Peer) -> None:
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not peer.check_connection():
+        assert time.monotonic() < deadline, "the handshake never completed"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_routed_reply_goes_to_the_connection_reply_to_names(net, transport):
+    endpoint = net.endpoint(transport)
+    served = net.serve(endpoint, Stepper(routed=True))
+    relay = net.peer(endpoint)
+    asker = Peer(endpoint, "echo", timeout_s=30.0, routing_id=b"asker-1")
+    net.peers.append(asker)
+    _connected(asker)
+    relay.send(_step(11, 5, b"asker-1"))
+    reply, _ = relay.receive_any(WAIT_MS / 1000, also=(asker,))  # polls both; the reply is on the asker's
+    assert (type(reply), reply.request_id) == (m.BatchLogits, 11)
+    relay.send(_step(12, 0, b"asker-1"))  # a failing request's error goes there too
+    with pytest.raises(ComponentError, match="request 0 cannot step"):
+        asker.receive(12, timeout_s=WAIT_MS / 1000)
+    relay.send(_step(13, 5, b"nobody"))  # a route the server does not hold: dropped and counted
+    relay.send(_step(14, 5, b""))  # no route: answered on its own connection
+    assert relay.receive(14, timeout_s=WAIT_MS / 1000)[0].request_id == 14
+    assert not relay.sock.poll(100) and not asker.sock.poll(100)
+    assert relay.ping(timeout_s=10).counters["unroutable_replies"] == 1
+    assert _echo_call(relay, "still serving", 15) == list(b"still serving")
+    assert served.component.routed == frozenset({m.KIND.BATCH_STEP})
+
+
+@pytest.mark.timeout(30)
+def test_a_kind_not_routed_is_answered_on_its_own_connection(net):
+    endpoint = net.endpoint("ipc")
+    net.serve(endpoint, Stepper(routed=False))
+    relay = net.peer(endpoint)
+    asker = Peer(endpoint, "echo", timeout_s=30.0, routing_id=b"asker-2")
+    net.peers.append(asker)
+    _connected(asker)
+    relay.send(_step(21, 5, b"asker-2"))
+    assert relay.receive(21, timeout_s=WAIT_MS / 1000)[0].request_id == 21
+    assert not asker.sock.poll(100)
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_reports_its_connection_and_its_loss_once(net):
+    endpoint = net.endpoint("ipc")
+    asker = Peer(endpoint, "echo", timeout_s=30.0, routing_id=b"asker-3")
+    net.peers.append(asker)
+    assert not asker.check_connection()  # nobody listens yet
+    served = net.serve(endpoint, Stepper(routed=True))
+    _connected(asker)
+    served.stop()
+    deadline = time.monotonic() + WAIT_MS / 1000
+    with pytest.raises(ComponentError, match="disconnected") as info:  # noqa: PT012 - waits for the event
+        while time.monotonic() < deadline:
+            asker.check_connection()
+            time.sleep(0.01)
+    assert info.value.code == m.ErrorCode.UNAVAILABLE
+    assert not asker.check_connection()  # reported once; no connection now
+
+
+@pytest.mark.timeout(30)
+def test_waiting_on_two_peers_reports_which_one_was_lost(net):
+    first, second = net.endpoint("ipc", "first"), net.endpoint("ipc", "second")
+    net.serve(first)
+    served = net.serve(second, Stepper(routed=True))
+    waiter = net.peer(first)
+    lost = Peer(second, "second", timeout_s=30.0)
+    net.peers.append(lost)
+    _connected(lost)
+    served.stop()
+    with pytest.raises(ComponentError) as info:
+        while True:  # (the timeout mark bounds the wait for the disconnect event)
+            waiter.receive_any(0.1, also=(lost,))
+    assert (info.value.code, info.value.component) == (m.ErrorCode.UNAVAILABLE, "second")
 
 
 # --- shutdown with dead peers (T7) ----------------------------------------------------------------

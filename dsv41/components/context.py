@@ -36,9 +36,10 @@ class ComponentContext:
     def option(self, component: str, key: str, default):
         return self.pipeline.components[component].options.get(key, default)
 
-    def peer(self, name: str, timeout_s: float | None = None) -> Peer:
+    def peer(self, name: str, timeout_s: float | None = None, routing_id: bytes | None = None) -> Peer:
         return Peer(self.endpoints[name], name, self.keys_dir,
-                    timeout_s=timeout_s or self.pipeline.generation.request_timeout_s, limits=self.limits)
+                    timeout_s=timeout_s or self.pipeline.generation.request_timeout_s, limits=self.limits,
+                    routing_id=routing_id)
 
     @cached_property
     def limits(self) -> m.Limits:

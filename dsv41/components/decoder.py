@@ -52,6 +52,7 @@ def _spans(message: m.DecoderPrefill | m.DecoderStep) -> list[ImageSpan] | None:
 class DecoderComponent(Component):
     name = "decoder"
     accepts = frozenset({m.KIND.DECODER_PREFILL, m.KIND.DECODER_STEP, m.KIND.DECODER_BATCH_STEP, m.KIND.RELEASE})
+    routed = frozenset({m.KIND.DECODER_BATCH_STEP})  # answered to the scheduler that asked, past the encoder
 
     def __init__(self, context: ComponentContext):
         super().__init__()
@@ -183,7 +184,7 @@ class DecoderComponent(Component):
 
     def _batch_step(self, message: m.DecoderBatchStep, frames: list[memoryview]):
         """Step every request of the batch that can be stepped, as one batch; the others are
-        reported one by one in `errors`."""
+        reported one by one in `errors` (after those the encoder passed on)."""
         if not len(message.request_ids) == len(message.starts) == len(message.sizes):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, "request_ids, starts and sizes differ in length")
         x, pre_mix = m.tensor(message.streams, frames), m.tensor(message.pre_mix, frames)
@@ -191,7 +192,7 @@ class DecoderComponent(Component):
             raise m.MessageError(m.ErrorCode.BAD_TENSOR, f"streams of {x.size(1)} tokens for sizes {message.sizes}")
         if message.verify and len(message.verify) != len(message.request_ids):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, "verify flags and request_ids differ in length")
-        keep, seqs, errors = [], [], []
+        keep, seqs, errors = [], [], list(message.errors)
         for i, (rid, start) in enumerate(zip(message.request_ids, message.starts, strict=True)):
             try:
                 seq = self.sequences.get(rid)

@@ -10,7 +10,10 @@ multi-token batched step (keeping a checkpoint), and the accepted prefix plus th
 token are emitted (temperature 0: drafts equal to the argmax; above: the speculative-sampling rule).
 A request with rejected drafts starts its next step at the position after its accepted ones: the
 encoder and decoder then cut the verification step in place to those positions (nothing runs again);
-the drafter's rings take the backbone states of accepted positions only. A request that fails
+the drafter's rings take the backbone states of accepted positions only. A step's reply comes from
+the decoder directly, on a connection of this component's own (`BatchStep.reply_to`), once the
+decoder holds it; until then (and after the decoder restarts, until it reconnects) the encoder
+passes it on. A request that fails
 anywhere gets one `Error` naming the component and the problem; its state elsewhere is released;
 other requests go on.
 
@@ -27,6 +30,7 @@ it is (queued, prefilling or decoding) and frees its state.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -126,6 +130,8 @@ class DSparkComponent(Component):
         self.lookback = config.text_config.engram_max_ngram_size - 1
         self.prefetch = bool(context.option("engram", "prefetch", True)) and bool(config.text_config.engram_layer_ids)
         self.tokenizer, self.encoder = context.peer("tokenizer"), context.peer("encoder")
+        # the decoder answers batched steps on this connection, past the encoder, once it holds it
+        self.decoder = context.peer("decoder", routing_id=f"dspark-{os.urandom(8).hex()}".encode())
         self.token_bytes = token_bytes(context.tokenizer)
         self.engram = context.peer("engram") if self.prefetch else None
         scheduling = context.pipeline.scheduling
@@ -262,13 +268,9 @@ class DSparkComponent(Component):
         wait = timeout_s
         while True:
             try:
-                got = self.encoder.receive_any(min(wait, 1.0), wake)
-            except ComponentError as e:  # the encoder is gone: every prefill and step in it is lost
-                for request in list(self.prefilling.values()):
-                    self._fail(request, e, release=False)
-                self.prefilling.clear()
-                while self.flights:
-                    self._fail_flight(self.flights.popleft(), e)
+                got = self.encoder.receive_any(min(wait, 1.0), wake, also=(self.decoder,))
+            except ComponentError as e:
+                self._lose_all(e)
                 raise
             left = deadline - time.monotonic()
             if got is None:
@@ -288,6 +290,24 @@ class DSparkComponent(Component):
         if until is not None:
             raise ComponentError(m.ErrorCode.UNAVAILABLE, "encoder", f"no reply within {timeout_s:.1f} s")
         return None
+
+    def _lose_all(self, error: ComponentError) -> None:
+        """The encoder or decoder is gone: every prefill and step in it is lost."""
+        for request in list(self.prefilling.values()):
+            self._fail(request, error, release=False)
+        self.prefilling.clear()
+        while self.flights:
+            self._fail_flight(self.flights.popleft(), error)
+
+    def _reply_route(self) -> bytes:
+        """Where the decoder is to send the next step's reply: to this component directly when it
+        holds the connection (b"": through the encoder, until then)."""
+        try:
+            direct = self.decoder.check_connection()
+        except ComponentError as e:  # the decoder died or restarted: what it was answering is lost
+            self._lose_all(e)
+            direct = False
+        return self.decoder.routing_id if direct else b""
 
     def _expire(self) -> None:
         """Prefills unanswered past the request timeout fail (the encoder died or hangs)."""
@@ -369,7 +389,7 @@ class DSparkComponent(Component):
             items = [self._step_item(request, flight.plans.get(request.internal_id)) for request in batch]
             flight.tokens = sum(len(m.unpack_ids(item.ids)) for item in items)
             flight.sent = time.perf_counter()
-            self.encoder.send(m.BatchStep(request_id=flight.batch_id, items=items))
+            self.encoder.send(m.BatchStep(request_id=flight.batch_id, items=items, reply_to=self._reply_route()))
         except (ComponentError, m.MessageError) as e:
             for request in batch:
                 self._fail(request, e)
@@ -529,7 +549,7 @@ class DSparkComponent(Component):
             self.counters["release_unconfirmed"] += 1
 
     def close(self) -> None:
-        for peer in (self.tokenizer, self.encoder, self.engram):
+        for peer in (self.tokenizer, self.encoder, self.decoder, self.engram):
             if peer is not None:
                 peer.close()
 

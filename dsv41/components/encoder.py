@@ -474,6 +474,10 @@ class EncoderComponent(Component):
         out = m.Frames()
         request = m.DecoderBatchStep(request_id=message.request_id, request_ids=rids, starts=starts, sizes=sizes,
                                      streams=out.add(x), pre_mix=out.add(pre_mix), verify=verify if any(verify) else [])
+        if message.reply_to:  # the decoder answers the caller itself, with these errors first
+            self.decoder.peer.send(msgspec.structs.replace(request, errors=errors, reply_to=message.reply_to), out)
+            self.counters["steps_answered_by_decoder"] += 1
+            return
         self._send_on(reply, request, out, lambda answer: msgspec.structs.replace(
             answer, errors=errors + list(answer.errors)))
 

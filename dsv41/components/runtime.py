@@ -98,14 +98,19 @@ class _IpcLock:
 
 
 def make_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, keys_dir: Path | None = None,
-                curve: CurveServer | None = None, max_bytes: int = m.DEFAULT_MAX_BYTES) -> zmq.Socket:
+                curve: CurveServer | None = None, max_bytes: int = m.DEFAULT_MAX_BYTES,
+                routing_id: bytes | None = None, prepare: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
     """Every socket of dsv41 comes from here: size cap (`max_bytes`: the largest message it can
     legitimately receive; a bigger frame drops the sender's connection before it is allocated),
     bounded linger, strict routing, deadlines possible on send, CURVE on tcp when keys are
-    configured, loopback-only tcp without them."""
+    configured, loopback-only tcp without them. `routing_id`: how the peer's ROUTER names this
+    connection (else one of ZeroMQ's choosing). `prepare(socket)` runs just before it binds or
+    connects (a monitor set up later can miss the first events)."""
     check_endpoint(endpoint)
     sock = ctx.socket(kind)
     try:
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         if kind == zmq.ROUTER:
@@ -117,6 +122,8 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, keys_dir
             sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
             sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * HEARTBEAT_MS)
+        if prepare is not None:
+            prepare(sock)
         if bind:
             if tcp:
                 check_bind_allowed(endpoint, keys_dir)
@@ -142,6 +149,9 @@ class Component:
     name = "component"
     accepts: frozenset[m.KIND] = frozenset()
     early: frozenset[m.KIND] = frozenset()  # delivered on the I/O thread, even while a request computes
+    # kinds whose reply goes to the connection their `reply_to` names, when it names one, rather than
+    # to the connection they came on (a relayed request answered straight to the one who asked)
+    routed: frozenset[m.KIND] = frozenset()
 
     def __init__(self):
         self.counters: Counter[str] = Counter()
@@ -287,6 +297,9 @@ class Server:
             self.component.close()
 
     def _dispatch(self, push: zmq.Socket, identity, message: m.Message, frames: list[memoryview]) -> None:
+        if m.KIND_OF[type(message)] in self.component.routed and message.reply_to:
+            identity = message.reply_to  # unknown to the ROUTER: dropped and counted (`unroutable_replies`)
+
         def reply(answer: m.Message, out: m.Frames | None = None) -> None:
             parts = [identity, *m.encode(answer, out)]
             while True:
@@ -328,18 +341,31 @@ class Peer:
     """Calls to one component, from one thread: request/reply with a deadline, or a stream."""
 
     def __init__(self, endpoint: str, name: str, keys_dir: Path | None = None, timeout_s: float = 600.0,
-                 ctx: zmq.Context | None = None, limits: m.Limits = m.DEFAULT_LIMITS):
+                 ctx: zmq.Context | None = None, limits: m.Limits = m.DEFAULT_LIMITS, routing_id: bytes | None = None):
         self.name, self.endpoint, self.timeout_s, self.limits = name, endpoint, timeout_s, limits
+        self.routing_id = routing_id
         self.ctx = ctx or zmq.Context.instance()
-        self.sock = make_socket(self.ctx, zmq.DEALER, endpoint, bind=False, keys_dir=keys_dir,
-                                max_bytes=limits.replies_of(name))
+        self.monitor: zmq.Socket | None = None
+        try:
+            self.sock = make_socket(self.ctx, zmq.DEALER, endpoint, bind=False, keys_dir=keys_dir,
+                                    max_bytes=limits.replies_of(name), routing_id=routing_id,
+                                    prepare=None if endpoint.startswith("inproc://") else self._watch)
+        except BaseException:
+            if self.monitor is not None:
+                self.monitor.close(0)
+            raise
         self.sock.setsockopt(zmq.SNDTIMEO, 1000)
-        # a name of its own: pyzmq's default (from the socket's fd) can still be bound by a closed
-        # peer's monitor, which libzmq takes down in the background, when a new peer reuses the fd
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED,
-                                                    f"inproc://dsv41-monitor-{os.getpid()}-{next(_MONITORS)}") \
-            if not endpoint.startswith("inproc://") else None
-        self._pollers: dict[int, zmq.Poller] = {}
+        # whether the component holds this connection now (its handshake done, no disconnect since):
+        # an inproc connection is there from the start and has no monitor
+        self.connected = self.monitor is None
+        self._pollers: dict[tuple[int, ...], zmq.Poller] = {}
+
+    def _watch(self, sock: zmq.Socket) -> None:
+        """Monitor the connection's handshakes and disconnects, from before it connects. The monitor
+        gets a name of its own: pyzmq's default (from the socket's fd) can still be bound by a closed
+        peer's monitor, which libzmq takes down in the background, when a new peer reuses the fd."""
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+                                               f"inproc://dsv41-monitor-{os.getpid()}-{next(_MONITORS)}")
 
     def send(self, message: m.Message, frames: m.Frames | None = None) -> None:
         """Send without waiting for a reply. A message that cannot be encoded, or is over its kind's
@@ -381,32 +407,38 @@ class Peer:
         raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name,
                              f"no reply within {timeout_s or self.timeout_s:.1f} s")
 
-    def receive_any(self, timeout_s: float,
-                    wake: zmq.Socket | None = None) -> tuple[m.Message, list[memoryview]] | None:
-        """The next reply to any request (an `Error` is returned, not raised), or None when none
-        comes within timeout_s or `wake` becomes readable first (its messages are consumed); raises
-        ComponentError when the peer disconnects or sends garbage. For a caller with several
-        requests in flight on this peer (a scheduler's prefills and steps)."""
-        ready = dict(self._poller(wake).poll(max(0.0, timeout_s) * 1000))
+    def receive_any(self, timeout_s: float, wake: zmq.Socket | None = None,
+                    also: tuple[Peer, ...] = ()) -> tuple[m.Message, list[memoryview]] | None:
+        """The next reply to any request, from this peer or those `also` named (an `Error` is
+        returned, not raised), or None when none comes within timeout_s or `wake` becomes readable
+        first (its messages are consumed); raises ComponentError, naming the peer, when one of them
+        disconnects or sends garbage. For a caller with several requests in flight (a scheduler's
+        prefills and steps, whose replies may come straight from a component further on)."""
+        peers = (self, *also)
+        ready = dict(self._poller(wake, also).poll(max(0.0, timeout_s) * 1000))
         if wake is not None and wake in ready:
             while wake.poll(0):
                 wake.recv()
-        if self.monitor is not None and self.monitor in ready and self._drain_monitor():
-            raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name, "disconnected while answering "
-                                 "(the component died or restarted)")
-        if self.sock not in ready:
-            return None
-        try:
-            return m.decode(self.sock.recv_multipart(copy=False), limits=self.limits)
-        except m.MessageError as e:
-            raise ComponentError(e.code, self.name, f"sent an unreadable reply: {e}") from None
+        for peer in peers:
+            if peer.monitor is not None and peer.monitor in ready and peer._drain_monitor():
+                raise ComponentError(m.ErrorCode.UNAVAILABLE, peer.name, "disconnected while answering "
+                                     "(the component died or restarted)")
+        for peer in peers:
+            if peer.sock in ready:
+                try:
+                    return m.decode(peer.sock.recv_multipart(copy=False), limits=peer.limits)
+                except m.MessageError as e:
+                    raise ComponentError(e.code, peer.name, f"sent an unreadable reply: {e}") from None
+        return None
 
-    def _poller(self, wake: zmq.Socket | None) -> zmq.Poller:
-        """A poller of the reply socket, the disconnect monitor and `wake`, kept per wake socket."""
-        poller = self._pollers.get(id(wake))
+    def _poller(self, wake: zmq.Socket | None, also: tuple[Peer, ...] = ()) -> zmq.Poller:
+        """A poller of the reply sockets and disconnect monitors of this peer and `also`, and of
+        `wake`, kept per combination."""
+        key = (id(wake), *map(id, also))
+        poller = self._pollers.get(key)
         if poller is None:
-            poller = self._pollers[id(wake)] = zmq.Poller()
-            for sock in (self.sock, self.monitor, wake):
+            poller = self._pollers[key] = zmq.Poller()
+            for sock in (self.sock, self.monitor, wake, *(s for p in also for s in (p.sock, p.monitor))):
                 if sock is not None:
                     poller.register(sock, zmq.POLLIN)
         return poller
@@ -431,14 +463,23 @@ class Peer:
                 return
 
     def _drain_monitor(self) -> bool:
-        """Consume pending monitor events; True if the peer disconnected."""
+        """Consume pending monitor events (keeping `connected` up to date); True if the peer
+        disconnected."""
         if self.monitor is None:
             return False
         gone = False
         while self.monitor.poll(0):
-            event = parse_monitor_message(self.monitor.recv_multipart())
-            gone |= event["event"] == zmq.EVENT_DISCONNECTED
+            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
+            gone |= event == zmq.EVENT_DISCONNECTED
+            self.connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
         return gone
+
+    def check_connection(self) -> bool:
+        """Whether the component holds this connection now (its ROUTER can route to `routing_id`);
+        raises ComponentError when it disconnected since last asked (what was in flight is lost)."""
+        if self._drain_monitor():
+            raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name, "disconnected (the component died or restarted)")
+        return self.connected
 
     def ping(self, timeout_s: float = 2.0) -> m.Pong:
         pong, _ = self.call(m.Ping(request_id=new_request_id()), timeout_s=timeout_s)
