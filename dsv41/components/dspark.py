@@ -145,7 +145,6 @@ class DSparkComponent(Component):
         self.blocked = False  # a prefill found no KV pages: admit nothing until a request ends
         self.flights: deque[Flight] = deque()  # batched steps sent, oldest first (their requests are out of `active`)
         self.arrived: dict[int, tuple[m.Message, list[memoryview]]] = {}  # replies of later flights, come early
-        self.held: list[tuple[Reply, m.Message, m.Frames | None]] | None = None  # client replies held back
         self.config = config
         self.drafter, self.mode, self.length = _speculation(context)
         self.cost = StepCost()  # seconds of a step by tokens verified, for the `auto` scheduler
@@ -191,8 +190,8 @@ class DSparkComponent(Component):
             raise m.MessageError(m.ErrorCode.INVALID_REQUEST, f"prompt of {len(ids)} tokens + max_new_tokens "
                                  f"{message.max_new_tokens} exceeds the context limit of {self.limit} tokens")
         sampling = Sampling(message.temperature, message.top_p, message.seed)
-        return Request(message.request_id, new_request_id(), self._holding(reply), ids, message.prefill_mode,
-                       message.max_new_tokens, sampling, (self.eos,) if message.stop_at_eos else (),
+        return Request(message.request_id, new_request_id(), reply, ids, message.prefill_mode, message.max_new_tokens,
+                       sampling, (self.eos,) if message.stop_at_eos else (),
                        torch.Generator().manual_seed(message.seed), time.perf_counter(), Detokenizer(self.token_bytes))
 
     # --- admission ---------------------------------------------------------------------------------
@@ -354,17 +353,14 @@ class DSparkComponent(Component):
         self._admit()
         busy = bool(self.active or self.prefilling or self.flights)
         try:
-            self._send_steps()
+            while self.active and len(self.flights) < self.steps_in_flight:
+                self._send_step()
             if self.flights:
-                self.held = []  # the next step goes out before the clients hear of this one's tokens
                 self._land()
-                self._send_steps()
             elif self.prefilling:
                 self._collect(0.05, wake=self.inbox_bell)
         except ComponentError:
             pass  # the requests concerned have failed; the next round starts afresh
-        finally:
-            self._flush_held()
         self._expire()
         decoding = self._decoding()
         gauges = {"running": decoding + len(self.prefilling), "waiting": len(self.waiting),
@@ -372,24 +368,6 @@ class DSparkComponent(Component):
         for key, value in gauges.items():  # set, not added (Counter.update adds)
             self.counters[key] = value
         return busy
-
-    def _send_steps(self) -> None:
-        while self.active and len(self.flights) < self.steps_in_flight:
-            self._send_step()
-
-    def _holding(self, reply: Reply) -> Reply:
-        """A request's `reply`, held in `self.held` while that is a list (flushed in order)."""
-        def send(message: m.Message, frames: m.Frames | None = None) -> None:
-            if self.held is None:
-                reply(message, frames)
-            else:
-                self.held.append((reply, message, frames))
-        return send
-
-    def _flush_held(self) -> None:
-        held, self.held = self.held, None
-        for reply, message, frames in held or ():
-            reply(message, frames)
 
     def _next_batch(self) -> list[Request]:
         """The requests of the next step: up to MAX_BATCH, and no more than their share when the
@@ -407,7 +385,6 @@ class DSparkComponent(Component):
         flight.speculate = self.drafter is not None and (self.mode != "auto" or self.rounds.speculate(len(batch)))
         try:
             if flight.speculate:
-                self._flush_held()  # drafting takes longer than telling the clients
                 flight.plans = self._plan(batch)
             items = [self._step_item(request, flight.plans.get(request.internal_id)) for request in batch]
             flight.tokens = sum(len(m.unpack_ids(item.ids)) for item in items)
