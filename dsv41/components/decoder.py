@@ -217,7 +217,8 @@ class DecoderComponent(Component):
         for waiting in self.replays.values():  # the step they waited for is here; past REPLAY_BATCH or
             waiting.step_due = 0.0  # with no request of it left to step, they run at the next idle turn
         if keep:
-            x, pre_mix = (torch.cat([t.split(message.sizes, dim=1)[i] for i in keep], dim=1) for t in (x, pre_mix))
+            if len(keep) < len(message.request_ids):
+                x, pre_mix = (torch.cat([t.split(message.sizes, dim=1)[i] for i in keep], dim=1) for t in (x, pre_mix))
             starts = [message.starts[i] for i in keep]
             replays = len(self.replays)
             logits, hidden = self._with_replays(lambda waiting: self.core.decode_batch(waiting, seqs, x, pre_mix,
