@@ -14,6 +14,7 @@ Wire evolution: new fields go last with defaults; `PROTOCOL_VERSION` changes whe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from enum import IntEnum
 from typing import Annotated, Any
@@ -555,7 +556,7 @@ def _check_tensors(message: Message, frames: list[memoryview]) -> None:
         dtype = DTYPES.get(d.dtype)
         if dtype is None:
             raise MessageError(ErrorCode.BAD_TENSOR, f"dtype {d.dtype!r} is not one of {sorted(DTYPES)}")
-        expected = int(np.prod(d.shape, dtype=object)) * dtype.itemsize
+        expected = math.prod(d.shape) * dtype.itemsize  # Python ints: a claimed shape cannot overflow
         if expected != d.nbytes or d.nbytes != frames[d.frame].nbytes:
             raise MessageError(ErrorCode.BAD_TENSOR, f"tensor of {d.dtype} {d.shape} needs {expected} bytes; "
                                                      f"described {d.nbytes}, frame holds {frames[d.frame].nbytes}")
