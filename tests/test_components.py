@@ -380,6 +380,46 @@ def test_encoder_hands_the_decoder_the_in_process_encoder_output(running, model,
     assert counters["store_unavailable"] >= 1 and counters["engram_fallbacks"] == 1
 
 
+def test_dspark_names_its_decoder_connection_only_while_the_decoder_holds_it(running, placement):
+    """A step names dspark's own connection to the decoder as its reply route only once the
+    decoder holds it (an inproc connection counts as held from the start); until then the route
+    is empty and the encoder passes the reply on. Either way the tokens come."""
+    r = running("dspark", engram={"prefetch": False})
+    r.stand_in("tokenizer", lambda message, frames: (
+        m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None))
+    routes = []
+
+    def encoder(message, frames):  # answers every step itself, as a relaying encoder does
+        out = m.Frames()
+        if isinstance(message, m.Release):
+            return m.Ack(request_id=message.request_id), None
+        logits = torch.zeros(1, 320)
+        logits[0, 12] = 1.0
+        if isinstance(message, m.Prefill):
+            return m.Logits(request_id=message.request_id, logits=out.add(logits)), out
+        routes.append(message.reply_to)
+        ids = [item.request_id for item in message.items]
+        return m.BatchLogits(request_id=message.request_id, request_ids=ids, sizes=[1] * len(ids),
+                             logits=out.add(logits.expand(len(ids), -1).contiguous())), out
+
+    r.stand_in("encoder", encoder)
+    peer = r.start()
+
+    def generate(rid: int) -> list[bytes]:
+        routes.clear()
+        events = list(peer.stream(m.Generate(request_id=rid, prompt="hi", max_new_tokens=3)))
+        assert [e.token for e in events[:-1]] == [12, 12, 12]
+        return list(routes)
+
+    if placement == "process":  # no decoder listens yet: nothing to route to
+        assert generate(1) == [b"", b""]
+    r.stand_in("decoder", lambda message, frames: None)
+    deadline = time.monotonic() + 30
+    while (named := generate(2)) != [named[0]] * 2 or not named[0]:
+        assert time.monotonic() < deadline, f"the route never became dspark's own: {named}"
+    assert named[0].startswith(b"dspark-") and len(named[0]) == len(b"dspark-") + 16
+
+
 def test_dspark_schedules_decoding_and_fails_requests_alone(running):
     r = running("dspark", engram={"prefetch": False})
     r.stand_in("tokenizer", lambda message, frames: (
