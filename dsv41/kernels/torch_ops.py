@@ -8,10 +8,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dsv41.kernels import cpu_attention, cpu_loops
+from dsv41.kernels import codecs, cpu_attention, cpu_index, cpu_loops
 from dsv41.kernels.layouts import index_k_format, main_kv_format, pack_rows, swa_format, unpack_rows
 from dsv41.kernels.selection import official_topk
 from dsv41.model import mhc, numerics
+from dsv41.model.quant import mxfp4_qdq
 
 __all__ = ["index_scores", "mhc_update", "pack_rows", "select_candidate_blocks", "sparse_attention",
            "sparse_attention_decode"]
@@ -337,6 +338,16 @@ def index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
     """q [b, hi, di] bf16 (MXFP4 values), weights [b, hi] bf16, keys [b, n_keys, 68-byte entries];
     bf16 scores [b, n] for every key, or for entry_ids [b, n] (a candidate pool).
 
+    On the CPU a compiled loop scores the packed keys where they lie (`cpu_index`, the same bits;
+    keys it cannot vouch for go through the operators below)."""
+    if _packed_loop_serves(q, weights, keys):
+        return _packed_index_scores(q, weights, keys, entry_ids)
+    return _operator_index_scores(q, weights, keys, entry_ids)
+
+
+def _operator_index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
+    """`index_scores` by torch operators: the reference's bf16 product, ReLU, weights and head sum.
+
     Keys are unpacked and scored INDEX_CHUNK at a time: each key's score depends on that key alone,
     and a chunk's temporaries stay in cache, where a whole long context's would be fresh pages
     every step (4x faster at 128K keys; tests/test_numerics_constants.py compares the bits)."""
@@ -349,6 +360,64 @@ def index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
         dots = numerics.dots(q, k)
         parts.append(numerics.wide(dots.relu() * weights.unsqueeze(-1)).sum(dim=1).to(dots.dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _packed_loop_serves(q, weights, keys) -> bool:
+    """Whether `cpu_index.packed_index_scores` stands in for the operators: CPU tensors outside
+    autograd and stable mode, MXFP4 keys of whole 32-channel blocks, and a machine where a probe
+    finds torch summing the heads in the order the loop does."""
+    return (not numerics.is_stable() and keys.dtype == torch.uint8 and q.size(-1) % cpu_index.SCALE_BLOCK == 0
+            and keys.size(-1) == index_k_format(q.size(-1)).entry_bytes and cpu_loops.serves(q, weights, keys)
+            and _packed_loop_keeps_bits(q.size(-2), q.size(-1)))
+
+
+def _packed_index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
+    """`index_scores` by the compiled loop; the keys whose exactness it cannot show (rare: scale
+    bytes far apart, values near float32's subnormals) are scored again by the operators."""
+    if keys.stride(0) == 0:  # one pool expanded over the batch
+        keys = keys[:1]
+    ids = (torch.arange(keys.size(1)).expand(q.size(0), -1) if entry_ids is None else entry_ids).long().contiguous()
+    scores, unsure = _loop_scores(q, weights, keys, ids)
+    for i in unsure.any(dim=1).nonzero().flatten().tolist():
+        where = unsure[i].nonzero().flatten()
+        own = keys[min(i, keys.size(0) - 1)].unsqueeze(0)
+        scores[i, where] = _operator_index_scores(q[i : i + 1], weights[i : i + 1], own, ids[i : i + 1, where])[0]
+    return scores
+
+
+def _loop_scores(q, weights, keys, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loop's bf16 scores [b, n] of keys ids [b, n] (int64), the key range split over torch's
+    threads, and which of them it could not vouch for (uint8 [b, n], their scores unset)."""
+    b = q.size(0)
+    q32, w32 = q.float().contiguous().numpy(), weights.float().contiguous().numpy()
+    bounds = torch.empty(b, 3, dtype=torch.int64).numpy()
+    cpu_index.scale_bounds(q32, w32, q.size(-1) // cpu_index.SCALE_BLOCK, bounds)
+    out = torch.empty(b, ids.size(1), dtype=torch.int16)
+    unsure = torch.zeros(b, ids.size(1), dtype=torch.uint8)
+    pairs = codecs.scaled_code_table(True, False, cpu_index.SCALE_BLOCK, torch.float32).numpy()
+    cpu_attention.over_queries(cpu_index.packed_index_scores, ids.size(1), q32, w32, bounds,
+                               keys.contiguous().numpy(), ids.numpy(), pairs, out.numpy().view("uint16"),
+                               unsure.numpy())
+    return out.view(torch.bfloat16), unsure
+
+
+@functools.cache
+def _packed_loop_keeps_bits(heads: int, dim: int) -> bool:
+    """Whether the loop gives the operators' bits on this machine for `heads` x `dim` queries: the
+    dot products are exact by construction, but the head sum's order and the bf16 roundings are
+    torch's, so random queries, weights and keys (some of them far apart in scale) decide it, once."""
+    generator = torch.Generator().manual_seed(0)
+    fmt = index_k_format(dim)
+    scale = torch.exp2(torch.randint(-6, 6, (1, 2048, 1), generator=generator).float())
+    keys = pack_rows(torch.randn(1, 2048, dim, generator=generator) * scale, fmt)
+    q = mxfp4_qdq(torch.randn(2, heads, dim, generator=generator)).bfloat16()
+    weights = torch.randn(2, heads, generator=generator).bfloat16()
+    ids = torch.randint(-1, 2048, (2, 3000), generator=generator)
+    with torch.inference_mode():
+        scores, unsure = _loop_scores(q, weights, keys, ids.long().clamp(min=-1))
+        sure = unsure == 0
+        expected = _operator_index_scores(q, weights, keys, ids)
+        return bool(sure.float().mean() > 0.5) and torch.equal(scores[sure], expected[sure])
 
 
 def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float,

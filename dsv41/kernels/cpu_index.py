@@ -1,0 +1,167 @@
+"""A compiled loop (numba) that scores packed MXFP4 index keys where they lie: the unpack, the
+per-head dot products, ReLU, head weights and head sum of `torch_ops.index_scores` in one pass,
+without writing the unpacked keys out. At long contexts a decode step scores every key of its
+full-range indexers (512K a layer at 1M tokens on `mini`), which the operators did at about
+100 ns a key.
+
+Why it gives the operators' bits. An E2M1 code times its power-of-two scale, times a bf16 query
+value, is exact in float32, and so is every partial sum of such products when they are all
+multiples of one unit and their absolute sum stays below 2^24 units: then every summation order,
+the BLAS's and this loop's vectorized one alike, gives the exact dot product, rounded once to bf16
+as the bf16 GEMM rounds its result. `query_spans` finds each query block's largest magnitude and
+finest unit, the key's scale bytes give its own, and each (key, head) is checked before it is
+trusted; a key that fails (a spread of more than about 2^13 between its blocks' products, or
+values near float32's subnormal range) is marked, and its caller scores it with the operators.
+After the dot products the loop rounds as the operators do: ReLU, times the head weight rounded
+to bf16, the heads summed in float32 in the order torch's sum takes them (runs of 16, each summed
+first to last, the runs added in order; a probe at first use checks it), rounded to bf16.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       np.float32)
+SCALE_BLOCK = 32  # channels per E8M0 scale byte
+HEAD_RUN = 16  # heads torch's sum adds first to last before it adds the runs
+_ABSENT = -100_000  # a query block with no nonzero value: its products are all zero
+
+
+@numba.njit(cache=True, nogil=True)
+def _exponent_range(x: np.ndarray) -> tuple[int, int]:
+    """(e, f) with every |value| of float32 x below 2^e and every value a multiple of 2^f;
+    (_ABSENT, -_ABSENT) when all are zero."""
+    top, bottom = _ABSENT, -_ABSENT
+    for word in x.view(np.uint32):
+        word &= np.uint32(0x7FFFFFFF)
+        if word == 0:
+            continue
+        exponent, mantissa = np.int64(word >> np.uint32(23)), np.int64(word & np.uint32(0x7FFFFF))
+        if exponent == 0:  # subnormal: no implicit bit
+            exponent = 1
+        else:
+            mantissa |= 1 << 23
+        top = max(top, exponent - 126)  # |v| < 2^(exponent - 127 + 1)
+        trailing = 0
+        while not mantissa & 1:
+            mantissa >>= 1
+            trailing += 1
+        bottom = min(bottom, exponent - 150 + trailing)  # the lowest set bit's weight
+    return top, bottom
+
+
+@numba.njit(cache=True, nogil=True)
+def scale_bounds(q: np.ndarray, weights: np.ndarray, dim_blocks: int, bounds: np.ndarray) -> None:
+    """What a key's E8M0 scale bytes (smallest s0, largest s1) must meet for `packed_index_scores`
+    to trust its score, per sequence of float32 queries q [b, heads, dim] (C-contiguous) and head
+    weights [b, heads]: bounds[i] = (most s1 - s0, least s0, most s1).
+
+    With a query head's values below 2^top and multiples of 2^bottom, and a key's values (E2M1
+    codes, multiples of 1/2, at most 6, times 2^(s - 127)), every product is a multiple of
+    2^(bottom + s0 - 128) and the absolute sum of all of them is below
+    2^(log2(blocks) + 5 + top + s1 - 124). Every partial sum is then exact in float32 when that
+    sum stays below 2^24 units; the unit must be a normal float32, and so must the smallest
+    nonzero head term (the unit times the head's weight)."""
+    b, heads, _ = q.shape
+    spread_limit = 24 - 9 - int(np.ceil(np.log2(dim_blocks)))
+    for i in range(b):
+        gap, least, most = spread_limit, 1, 254
+        for h in range(heads):
+            top, bottom = _exponent_range(q[i, h])
+            if top == _ABSENT:
+                continue  # a head of zeros: its dot products are exact zeros
+            gap = min(gap, spread_limit - (top - bottom))
+            least = max(least, 2 - bottom)
+            most = min(most, 230 - top)
+            weight_top, weight_bottom = _exponent_range(weights[i, h : h + 1])
+            if weight_top != _ABSENT:  # 2^weight_bottom <= |w| < 2^weight_top
+                least = max(least, 2 - bottom - min(weight_bottom, 0))
+                most = min(most, 230 - top - max(weight_top, 0))
+        bounds[i, 0], bounds[i, 1], bounds[i, 2] = gap, least, most
+
+
+TILE = 64  # keys unpacked per pass, then scored (their values stay in the first-level cache)
+
+
+@numba.njit(cache=True, nogil=True)
+def _round_to_bf16(words: np.ndarray) -> None:
+    """float32 bits [n] rounded to the nearest bf16 (ties to even) in place, low half zero."""
+    for i in range(words.shape[0]):
+        word = words[i]
+        words[i] = (word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _tile_dots(q: np.ndarray, values: np.ndarray, count: int, dots: np.ndarray) -> None:
+    """dots[t, h] = sum over c of q[h, c] * values[t, c] for the first `count` keys, in any order
+    the compiler likes (vectors): only trusted where every order gives the exact sum."""
+    heads, dim = q.shape
+    for t in range(count):
+        for h in range(heads):
+            total = np.float32(0.0)
+            for c in range(dim):
+                total += q[h, c] * values[t, c]
+            dots[t, h] = total
+
+
+@numba.njit(cache=True, nogil=True)
+def packed_index_scores(q: np.ndarray, weights: np.ndarray, bounds: np.ndarray, keys: np.ndarray, ids: np.ndarray,
+                        pairs: np.ndarray, out: np.ndarray, unsure: np.ndarray, first: int, last: int) -> None:
+    """Scores of keys ids[:, first:last]: q [b, heads, dim] float32 (bf16 values), weights [b, heads]
+    float32 (bf16 values), their `scale_bounds`,
+    keys uint8 [b or 1, rows, dim/2 + dim/32] (E2M1 codes two a byte, even channel low, then E8M0
+    scale bytes), ids [b, n] rows (-1 reads row 0, as the operators do; callers mask it), pairs:
+    `codecs.scaled_code_table` for these entries in float32 (a code byte's two values under a scale
+    byte, as one int64). Writes bf16 bits into out [b, n] (uint16) and 1 into unsure [b, n] for a
+    key whose exactness could not be shown (its out is then unset)."""
+    b, heads, dim = q.shape
+    code_bytes, blocks = dim // 2, dim // SCALE_BLOCK
+    per_scale = code_bytes // blocks
+    values = np.empty((TILE, dim), np.float32)
+    pair_values = values.view(np.int64)  # [TILE, dim / 2]: a code byte's two values at once
+    dots = np.empty((TILE, heads), np.float32)
+    dot_words = dots.view(np.uint32)
+    smallest = np.empty(TILE, np.int64)
+    largest = np.empty(TILE, np.int64)
+    cell = np.empty(1, np.float32)
+    cell_bits = cell.view(np.uint32)
+    for i in range(b):
+        pool = keys[min(i, keys.shape[0] - 1)]
+        for start in range(first, last, TILE):
+            count = min(TILE, last - start)
+            for t in range(count):
+                entry, unpacked = pool[max(ids[i, start + t], 0)], pair_values[t]
+                low, high = 255, 0
+                for j in range(blocks):
+                    scale = np.int64(entry[code_bytes + j])
+                    low, high = min(low, scale), max(high, scale)
+                    # the scale's 256 table entries as a view, read by the code bytes alone (vector
+                    # gathers, as in `cpu_loops.unpack_by_table`)
+                    scaled = pairs[scale << 8 : (scale << 8) + 256]
+                    first_byte = j * per_scale
+                    for p in range(per_scale):
+                        unpacked[first_byte + p] = scaled[entry[first_byte + p]]
+                smallest[t], largest[t] = low, high
+            _tile_dots(q[i], values, count, dots)
+            _round_to_bf16(dot_words.reshape(-1))
+            for t in range(count):
+                for h in range(heads):
+                    dots[t, h] = max(dots[t, h], np.float32(0.0)) * weights[i, h]
+            _round_to_bf16(dot_words.reshape(-1))
+            gap, least, most = bounds[i, 0], bounds[i, 1], bounds[i, 2]
+            for t in range(count):
+                exact = largest[t] - smallest[t] <= gap and smallest[t] >= least and largest[t] <= most
+                total, run = np.float32(0.0), np.float32(0.0)
+                for h in range(heads):  # torch's order: runs of HEAD_RUN heads, each from +0
+                    run = (np.float32(0.0) if h % HEAD_RUN == 0 else run) + dots[t, h]
+                    if h % HEAD_RUN == HEAD_RUN - 1 or h == heads - 1:
+                        total += run
+                cell[0] = total
+                magnitude = cell_bits[0] & np.uint32(0x7FFFFFFF)
+                if exact and (magnitude == 0 or magnitude >= np.uint32(0x00800000)):
+                    _round_to_bf16(cell_bits)
+                    out[i, start + t] = np.uint16(cell_bits[0] >> np.uint32(16))
+                else:
+                    unsure[i, start + t] = 1

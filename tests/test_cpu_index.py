@@ -1,0 +1,118 @@
+"""The compiled index-scoring loop (`dsv41/kernels/cpu_index.py`) against the operators it stands in
+for: the same bits for every key, whether the loop scores it or hands it back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41.kernels import cpu_index, torch_ops
+from dsv41.kernels.layouts import index_k_format, pack_rows
+from dsv41.model.quant import mxfp4_qdq
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def _keys(rng: torch.Generator, sequences: int, n: int, dim: int, spread: int) -> torch.Tensor:
+    """Packed index keys whose 32-channel blocks lie up to 2^spread apart in scale."""
+    scale = torch.exp2(torch.randint(-spread, spread + 1, (sequences, n, dim // 32, 1), generator=rng).float())
+    rows = (torch.randn(sequences, n, dim // 32, 32, generator=rng) * scale).flatten(-2)
+    return pack_rows(rows, index_k_format(dim))
+
+
+def _queries(rng: torch.Generator, b: int, heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 queries, and head weights 2^-12 to 2^12 apart: their terms then need more than
+    float32's 24 bits together, so the heads' summation order shows in the scores."""
+    q = mxfp4_qdq(torch.randn(b, heads, dim, generator=rng) * 3).bfloat16()
+    spread = torch.exp2(torch.randint(-12, 13, (b, heads), generator=rng).float())
+    return q, (torch.randn(b, heads, generator=rng) * spread).bfloat16()
+
+
+@pytest.mark.parametrize("heads", [4, 16, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_loop_scores_equal_the_operators(rng, heads, threads, monkeypatch):
+    """Per-sequence keys and one pool expanded over the batch, whole ranges and id lists with
+    unused (-1) slots, 1 and 2 threads, the heads summed in runs of 16 where there are more: every
+    score has the operators' bits, and the loop (not the operators' retry) scored nearly all."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    q, weights = _queries(rng, 3, heads, 128)
+    for keys in (_keys(rng, 3, 700, 128, spread=2), _keys(rng, 1, 700, 128, spread=2).expand(3, -1, -1)):
+        ids = torch.randint(-1, 700, (3, 900), generator=rng)
+        for entry_ids in (None, ids):
+            want = torch_ops._operator_index_scores(q, weights, keys, entry_ids)
+            assert torch.equal(_bits(torch_ops.index_scores(q, weights, keys, entry_ids)), _bits(want))
+        pool = keys[:1] if keys.stride(0) == 0 else keys
+        scores, unsure = torch_ops._loop_scores(q, weights, pool, ids)  # the loop alone, no retry
+        sure = unsure == 0
+        assert sure.float().mean() > 0.99
+        want = torch_ops._operator_index_scores(q, weights, keys, ids)
+        assert torch.equal(_bits(scores[sure]), _bits(want[sure]))
+
+
+def test_keys_the_loop_cannot_vouch_for_are_scored_by_the_operators(rng):
+    """Keys whose blocks lie 2^40 apart in scale could sum inexactly in float32: the loop marks
+    them, and the operators' scores take their place, bit for bit."""
+    q, weights = _queries(rng, 2, 4, 128)
+    near, far = _keys(rng, 1, 300, 128, spread=1), _keys(rng, 1, 300, 128, spread=40)
+    keys = torch.cat([near, far], dim=1).expand(2, -1, -1)
+    ids = torch.arange(600).expand(2, -1).contiguous()
+    _, unsure = torch_ops._loop_scores(q, weights, keys, ids)
+    assert not unsure[:, :300].any() and unsure[:, 300:].float().mean() > 0.5
+    want = torch_ops._operator_index_scores(q, weights, keys)
+    assert torch.equal(_bits(torch_ops.index_scores(q, weights, keys)), _bits(want))
+
+
+def test_zero_heads_and_negative_dots_keep_their_bits(rng):
+    """A head of zero queries, and heads whose every dot product is negative (ReLU to zero, times
+    negative weights): zeros and their signs as the operators give them."""
+    q, weights = _queries(rng, 2, 4, 128)
+    q[0, 1] = 0
+    q[1] = -q[1].abs()
+    weights[1] = -weights[1].abs()
+    keys = pack_rows(torch.rand(2, 500, 128, generator=rng) + 0.1, index_k_format(128))  # positive keys
+    want = torch_ops._operator_index_scores(q, weights, keys)
+    assert (want[1] == 0).all()
+    assert torch.equal(_bits(torch_ops.index_scores(q, weights, keys)), _bits(want))
+
+
+def test_scale_bounds_by_hand():
+    """Queries below 2^1 in steps of 2^-1 over 4 blocks leave 13 - 2 = 11 for a key's scale spread;
+    the unit 2^(-1 + s - 128) is normal from s = 3; a weight of 1 (below 2^1) caps the largest scale
+    at 230 - 1 - 1. A head of zeros adds nothing; a subnormal weight raises the least scale."""
+    q = np.zeros((2, 2, 128), np.float32)
+    q[:, 0, :4] = [1.0, 0.5, -1.5, 0.5]
+    weights = np.array([[1.0, 1.0], [2.0**-130, 1.0]], np.float32)
+    bounds = np.empty((2, 3), np.int64)
+    cpu_index.scale_bounds(q, weights, 4, bounds)
+    assert bounds[0].tolist() == [11, 3, 228]
+    # |2^-130| >= 2^-130, its lowest bit: the term's unit 2^(-1 + s - 128 - 130) is normal from s = 133
+    assert bounds[1].tolist() == [11, 133, 229]
+
+
+def test_heads_are_summed_in_the_operators_order():
+    """64 heads whose terms need more than float32's bits together: 2^25 in one head, four ones,
+    -2^25 later. Where the ones fall (beside 2^25 in a run of 16 heads, or in a run of their own)
+    decides whether they survive, so summing first to last, or in runs of another length, gives
+    other scores. Every dot product is exactly 1 (a key of ones against one query channel)."""
+    heads, dim = 64, 128
+    q = torch.zeros(2, heads, dim, dtype=torch.bfloat16)
+    q[:, :, 0] = 1.0
+    key = torch.zeros(1, 4, dim)
+    key[..., ::32] = 1.0
+    keys = pack_rows(key, index_k_format(dim)).expand(2, -1, -1)
+    weights = torch.zeros(2, heads)
+    weights[:, 0], weights[:, 32] = 2.0**25, -(2.0**25)
+    weights[0, 8:12] = 1.0  # in the first run of 16, beside 2^25
+    weights[1, 16:20] = 1.0  # a run of their own
+    weights = weights.bfloat16()
+    want = torch_ops._operator_index_scores(q, weights, keys)
+    first_to_last = torch.zeros(2, 4)
+    for h in range(heads):
+        first_to_last = first_to_last + weights[:, h : h + 1].float()
+    assert not torch.equal(want.float(), first_to_last)  # the order shows
+    scores, unsure = torch_ops._loop_scores(q, weights, keys[:1], torch.arange(4).expand(2, -1).contiguous())
+    assert not unsure.any()
+    assert torch.equal(_bits(scores), _bits(want))
