@@ -41,15 +41,17 @@ def official_topk(scores: torch.Tensor, k: int, by_value: bool = False) -> torch
     return scores.topk(k, dim=-1, sorted=by_value).indices.sort(dim=-1).values
 
 
-def tie_at_boundary(scores: torch.Tensor, k: int) -> bool:
-    """Whether some row's k-th and (k+1)-th best scores are equal (finite): the case where which
-    entries are kept depends on the tie policy."""
-    return bool(ties_at_boundary(scores, k).any())
-
-
-def ties_at_boundary(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """`tie_at_boundary` of each row: a bool per row (scores [..., n] -> [...])."""
+def untied_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From one top-k call: the ids of each row's k best entries, ascending, and whether the row's
+    k-th and (k+1)-th best scores are equal and finite (a bool per row): the case where which
+    entries are kept depends on the tie policy. Where no tie straddles the k-th place the k best are
+    one set, which every policy and every top-k call names; a tied row's ids are this call's pick,
+    for callers that keep a tie policy to replace. A rank of the k-th best value against the row
+    (one comparison pass) stands in for a second top-k of k + 1."""
     if scores.size(-1) <= k:
-        return torch.zeros(scores.shape[:-1], dtype=torch.bool)
-    best = scores.float().topk(k + 1, dim=-1).values
-    return (best[..., k - 1] == best[..., k]) & best[..., k].isfinite()
+        every = torch.arange(scores.size(-1)).expand(scores.shape).contiguous()
+        return every, torch.zeros(scores.shape[:-1], dtype=torch.bool)
+    best = scores.topk(k, dim=-1, sorted=False)
+    kth = best.values.amin(dim=-1, keepdim=True)
+    outside = (scores == kth).sum(dim=-1) > (best.values == kth).sum(dim=-1)
+    return best.indices.sort(dim=-1).values, outside & kth.squeeze(-1).isfinite()

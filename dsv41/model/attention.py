@@ -18,7 +18,7 @@ from torch import nn
 
 from dsv41.config import LayerSpec, Mode, TextConfig
 from dsv41.kernels import dispatch
-from dsv41.kernels.selection import official_topk, tie_at_boundary, ties_at_boundary, topk_entries
+from dsv41.kernels.selection import official_topk, topk_entries, untied_topk
 from dsv41.kernels.torch_ops import candidate_entries, distinct_ids, pool_mask, sparse_attention
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
@@ -650,11 +650,13 @@ class Attention(nn.Module):
                 part.candidate_source = spec.layer_id
         # ids ascend along each row, unused (-1) ones last: the picked columns, in ascending order,
         # are the picked entries in ascending order with any unused ones after them
-        picked = F.pad(ids.gather(-1, topk_entries(scores, min(k, ids.size(-1)))), (0, max(0, k - ids.size(-1))),
-                       value=-1)
-        if not numerics.is_stable():
-            for i in ties_at_boundary(scores, k).nonzero().flatten().tolist():
-                picked[i] = self._official_pick(scores[i], ids[i], int(totals[i]))
+        if numerics.is_stable():
+            best, tied = topk_entries(scores, min(k, ids.size(-1))), torch.zeros(len(parts), dtype=torch.bool)
+        else:
+            best, tied = untied_topk(scores, min(k, ids.size(-1)))
+        picked = F.pad(ids.gather(-1, best), (0, max(0, k - ids.size(-1))), value=-1)
+        for i in tied.nonzero().flatten().tolist():
+            picked[i] = self._official_pick(scores[i], ids[i], int(totals[i]))
         return picked.unsqueeze(1).int()
 
     def _official_pick(self, scores: torch.Tensor, ids: torch.Tensor, total: int) -> torch.Tensor:
@@ -788,14 +790,17 @@ class Attention(nn.Module):
         if shared.scored is not None:
             self._count_scored(scores, shared)
         scores = scores.masked_fill(ids < 0, -torch.inf)
-        if not numerics.is_stable() and tie_at_boundary(scores, k):
-            # the official top-k runs over the full-width row, and which tied entry it keeps
-            # depends on that row: rebuild it (entries outside the pool at -inf) and rank it
-            row = torch.full((x.size(0), total + 1), -torch.inf, dtype=scores.dtype)
-            row = row.scatter(-1, torch.where(ids >= 0, ids, total).long(), scores)[:, :total]
-            picked = official_topk(row, k)
-        else:
+        if numerics.is_stable():
             picked = ids.gather(-1, topk_entries(scores, k))  # ids ascend: the fixed policy's ties
+        else:
+            best, tied = untied_topk(scores, k)
+            picked = ids.gather(-1, best)
+            if bool(tied.any()):
+                # the official top-k runs over the full-width row, and which tied entry it keeps
+                # depends on that row: rebuild it (entries outside the pool at -inf) and rank it
+                row = torch.full((x.size(0), total + 1), -torch.inf, dtype=scores.dtype)
+                row = row.scatter(-1, torch.where(ids >= 0, ids, total).long(), scores)[:, :total]
+                picked = official_topk(row, k)
         return F.pad(picked, (0, self.indexer.topk - k), value=-1).unsqueeze(1).int()
 
     def _count_scored(self, scores: torch.Tensor, shared: SharedAttention) -> None:

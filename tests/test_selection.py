@@ -1,0 +1,38 @@
+"""`selection.untied_topk` (one top-k and a comparison pass) against what it stands in for: a
+second top-k of k + 1 for the tie test, and the fixed-policy set for rows without a tie."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.kernels.selection import topk_entries, untied_topk
+
+
+def _tied_by_second_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    if scores.size(-1) <= k:
+        return torch.zeros(scores.shape[:-1], dtype=torch.bool)
+    best = scores.float().topk(k + 1, dim=-1).values
+    return (best[..., k - 1] == best[..., k]) & best[..., k].isfinite()
+
+
+@pytest.mark.parametrize("levels", [7, 40, 100_000])
+def test_untied_topk_matches_a_second_topk_and_the_fixed_policy(rng, levels):
+    """bf16 rows drawn from few values (ties everywhere) to many (ties rare), some with a tail of
+    unused entries at -inf (a tie there is no tie), k below and above the row width."""
+    for width, k in ((300, 17), (300, 299), (300, 300), (50, 64), (4096, 512)):
+        scores = (torch.randint(0, levels, (6, width), generator=rng).float() / levels - 0.5).bfloat16()
+        scores[1, width // 2 :] = -torch.inf
+        scores[2, :] = -torch.inf
+        scores[3, k // 2 :] = -torch.inf
+        ids, tied = untied_topk(scores, k)
+        assert torch.equal(tied, _tied_by_second_topk(scores, k)), (width, k)
+        assert ids.shape == (6, min(k, width)) and (ids.diff(dim=-1) > 0).all()
+        fixed = topk_entries(scores, min(k, width))
+        for row in (~tied).nonzero().flatten().tolist():
+            # one set, unless the ties lie at -inf (unused entries, any of which callers mask)
+            kept = scores[row, ids[row]]
+            assert torch.equal(kept.sort().values, scores[row, fixed[row]].sort().values)
+            if bool(kept.isfinite().all()):
+                assert torch.equal(ids[row], fixed[row])
+    assert tied.any() or levels > 1000  # the few-valued rows do have ties
