@@ -95,7 +95,7 @@ def _round_to_bf16(words: np.ndarray) -> None:
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _tile_dots(q: np.ndarray, values: np.ndarray, count: int, dots: np.ndarray) -> None:
-    """dots[t, h] = sum over c of q[h, c] * values[t, c] for the first `count` keys, in any order
+    """dots[h, t] = sum over c of q[h, c] * values[t, c] for the first `count` keys, in any order
     the compiler likes (vectors): only trusted where every order gives the exact sum."""
     heads, dim = q.shape
     for t in range(count):
@@ -103,7 +103,35 @@ def _tile_dots(q: np.ndarray, values: np.ndarray, count: int, dots: np.ndarray) 
             total = np.float32(0.0)
             for c in range(dim):
                 total += q[h, c] * values[t, c]
-            dots[t, h] = total
+            dots[h, t] = total
+
+
+@numba.njit(cache=True, nogil=True)
+def _tile_scores(dots: np.ndarray, dot_words: np.ndarray, weights: np.ndarray, count: int, total: np.ndarray,
+                 total_words: np.ndarray, run: np.ndarray) -> None:
+    """The operators' steps after the dot products, each a loop across the tile's keys (vector
+    code): each dot rounded to bf16, ReLU, times its head weight rounded to bf16, the heads summed
+    in torch's order (runs of HEAD_RUN, each from +0) into total [TILE] float32, whose bits
+    total_words the caller checks and rounds. dots [heads, TILE] with dot_words its uint32 view."""
+    heads = dots.shape[0]
+    zero = np.float32(0.0)
+    for h in range(heads):
+        _round_to_bf16(dot_words[h, :count])
+        weight = weights[h]
+        for t in range(count):
+            dots[h, t] = max(dots[h, t], zero) * weight
+        _round_to_bf16(dot_words[h, :count])
+    for t in range(count):
+        total[t] = zero
+    for h in range(heads):
+        if h % HEAD_RUN == 0:
+            for t in range(count):
+                run[t] = zero
+        for t in range(count):
+            run[t] += dots[h, t]
+        if h % HEAD_RUN == HEAD_RUN - 1 or h == heads - 1:
+            for t in range(count):
+                total[t] += run[t]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -121,12 +149,12 @@ def packed_index_scores(q: np.ndarray, weights: np.ndarray, bounds: np.ndarray, 
     per_scale = code_bytes // blocks
     values = np.empty((TILE, dim), np.float32)
     pair_values = values.view(np.int64)  # [TILE, dim / 2]: a code byte's two values at once
-    dots = np.empty((TILE, heads), np.float32)
+    dots = np.empty((heads, TILE), np.float32)
     dot_words = dots.view(np.uint32)
+    total, run = np.empty(TILE, np.float32), np.empty(TILE, np.float32)
+    total_words = total.view(np.uint32)
     smallest = np.empty(TILE, np.int64)
     largest = np.empty(TILE, np.int64)
-    cell = np.empty(1, np.float32)
-    cell_bits = cell.view(np.uint32)
     for i in range(b):
         pool = keys[min(i, keys.shape[0] - 1)]
         for start in range(first, last, TILE):
@@ -145,23 +173,14 @@ def packed_index_scores(q: np.ndarray, weights: np.ndarray, bounds: np.ndarray, 
                         unpacked[first_byte + p] = scaled[entry[first_byte + p]]
                 smallest[t], largest[t] = low, high
             _tile_dots(q[i], values, count, dots)
-            _round_to_bf16(dot_words.reshape(-1))
-            for t in range(count):
-                for h in range(heads):
-                    dots[t, h] = max(dots[t, h], np.float32(0.0)) * weights[i, h]
-            _round_to_bf16(dot_words.reshape(-1))
+            _tile_scores(dots, dot_words, weights[i], count, total, total_words, run)
             gap, least, most = bounds[i, 0], bounds[i, 1], bounds[i, 2]
             for t in range(count):
-                exact = largest[t] - smallest[t] <= gap and smallest[t] >= least and largest[t] <= most
-                total, run = np.float32(0.0), np.float32(0.0)
-                for h in range(heads):  # torch's order: runs of HEAD_RUN heads, each from +0
-                    run = (np.float32(0.0) if h % HEAD_RUN == 0 else run) + dots[t, h]
-                    if h % HEAD_RUN == HEAD_RUN - 1 or h == heads - 1:
-                        total += run
-                cell[0] = total
-                magnitude = cell_bits[0] & np.uint32(0x7FFFFFFF)
-                if exact and (magnitude == 0 or magnitude >= np.uint32(0x00800000)):
-                    _round_to_bf16(cell_bits)
-                    out[i, start + t] = np.uint16(cell_bits[0] >> np.uint32(16))
+                magnitude = total_words[t] & np.uint32(0x7FFFFFFF)
+                if (largest[t] - smallest[t] <= gap and smallest[t] >= least and largest[t] <= most
+                        and (magnitude == 0 or magnitude >= np.uint32(0x00800000))):  # not subnormal
+                    word = total_words[t]
+                    word = (word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                    out[i, start + t] = np.uint16(word)
                 else:
                     unsure[i, start + t] = 1
