@@ -46,3 +46,14 @@ def test_a_tied_rows_pick_is_the_official_pick_of_that_row_alone(rng):
     assert tied.all()
     for row in range(4):
         assert torch.equal(ids[row], official_topk(scores[row : row + 1].clone(), 512)[0])
+
+
+def test_ties_at_zero_count_both_zeros():
+    """bf16 scores compare by their bits: +0 and -0 must still count as one value (a k-th place
+    at zero tied with a -0 outside the k best)."""
+    scores = torch.tensor([[3.0, 0.0, 2.0, -0.0, -1.0], [3.0, -0.0, 2.0, -1.0, 0.0]]).bfloat16()
+    ids, tied = untied_topk(scores, 3)
+    assert tied.tolist() == [True, True]
+    assert torch.equal(tied, _tied_by_second_topk(scores, 3))
+    untied = torch.tensor([[3.0, 0.0, 2.0, -1.0, -2.0]]).bfloat16()
+    assert not untied_topk(untied, 3)[1].any()
