@@ -38,6 +38,7 @@ def test_loop_scores_equal_the_operators(rng, heads, threads, monkeypatch):
     unused (-1) slots, 1 and 2 threads, the heads summed in runs of 16 where there are more: every
     score has the operators' bits, and the loop (not the operators' retry) scored nearly all."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(torch_ops, "INDEX_SPLIT_KEYS", 100)  # these few keys split over the threads too
     q, weights = _queries(rng, 3, heads, 128)
     for keys in (_keys(rng, 3, 700, 128, spread=2), _keys(rng, 1, 700, 128, spread=2).expand(3, -1, -1)):
         ids = torch.randint(-1, 700, (3, 900), generator=rng)

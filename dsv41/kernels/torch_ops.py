@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -378,26 +379,35 @@ def _packed_index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
         keys = keys[:1]
     ids = (torch.arange(keys.size(1)).expand(q.size(0), -1) if entry_ids is None else entry_ids).long().contiguous()
     scores, unsure = _loop_scores(q, weights, keys, ids)
-    for i in unsure.any(dim=1).nonzero().flatten().tolist():
-        where = unsure[i].nonzero().flatten()
-        own = keys[min(i, keys.size(0) - 1)].unsqueeze(0)
-        scores[i, where] = _operator_index_scores(q[i : i + 1], weights[i : i + 1], own, ids[i : i + 1, where])[0]
+    if unsure.numpy().any():
+        for i in unsure.any(dim=1).nonzero().flatten().tolist():
+            where = unsure[i].nonzero().flatten()
+            own = keys[min(i, keys.size(0) - 1)].unsqueeze(0)
+            scores[i, where] = _operator_index_scores(q[i : i + 1], weights[i : i + 1], own, ids[i : i + 1, where])[0]
     return scores
 
 
+INDEX_SPLIT_KEYS = 16384  # keys from which the loop's range is split over torch's threads
+
+
 def _loop_scores(q, weights, keys, ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loop's bf16 scores [b, n] of keys ids [b, n] (int64), the key range split over torch's
-    threads, and which of them it could not vouch for (uint8 [b, n], their scores unset)."""
-    b = q.size(0)
+    """The loop's bf16 scores [b, n] of keys ids [b, n] (int64) and which of them it could not
+    vouch for (uint8 [b, n], their scores unset). From INDEX_SPLIT_KEYS keys the range is split
+    over torch's threads; below, handing work to another thread (60 us on a 2-core VM) would cost
+    more than it saves (64 keys take 4 us)."""
+    b, n = ids.shape
     q32, w32 = q.float().contiguous().numpy(), weights.float().contiguous().numpy()
-    bounds = torch.empty(b, 3, dtype=torch.int64).numpy()
+    bounds = np.empty((b, 3), np.int64)
     cpu_index.scale_bounds(q32, w32, q.size(-1) // cpu_index.SCALE_BLOCK, bounds)
-    out = torch.empty(b, ids.size(1), dtype=torch.int16)
-    unsure = torch.zeros(b, ids.size(1), dtype=torch.uint8)
+    out = torch.empty(b, n, dtype=torch.int16)
+    unsure = torch.zeros(b, n, dtype=torch.uint8)
     pairs = codecs.scaled_code_table(True, False, cpu_index.SCALE_BLOCK, torch.float32).numpy()
-    cpu_attention.over_queries(cpu_index.packed_index_scores, ids.size(1), q32, w32, bounds,
-                               keys.contiguous().numpy(), ids.numpy(), pairs, out.numpy().view("uint16"),
-                               unsure.numpy())
+    arrays = (q32, w32, bounds, keys.contiguous().numpy(), ids.numpy(), pairs, out.numpy().view(np.uint16),
+              unsure.numpy())
+    if n >= INDEX_SPLIT_KEYS:
+        cpu_attention.over_queries(cpu_index.packed_index_scores, n, *arrays)
+    else:
+        cpu_index.packed_index_scores(*arrays, 0, n)
     return out.view(torch.bfloat16), unsure
 
 
