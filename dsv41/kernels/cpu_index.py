@@ -8,10 +8,10 @@ Why it gives the operators' bits. An E2M1 code times its power-of-two scale, tim
 value, is exact in float32, and so is every partial sum of such products when they are all
 multiples of one unit and their absolute sum stays below 2^24 units: then every summation order,
 the BLAS's and this loop's vectorized one alike, gives the exact dot product, rounded once to bf16
-as the bf16 GEMM rounds its result. `query_spans` finds each query block's largest magnitude and
-finest unit, the key's scale bytes give its own, and each (key, head) is checked before it is
-trusted; a key that fails (a spread of more than about 2^13 between its blocks' products, or
-values near float32's subnormal range) is marked, and its caller scores it with the operators.
+as the bf16 GEMM rounds its result. `scale_bounds` turns each query head's largest magnitude and
+finest unit into limits on a key's scale bytes, and each key is checked against them before its
+score is trusted; a key that fails (a spread of more than about 2^13 between its blocks' products,
+or values near float32's subnormal range) is marked, and its caller scores it with the operators.
 After the dot products the loop rounds as the operators do: ReLU, times the head weight rounded
 to bf16, the heads summed in float32 in the order torch's sum takes them (runs of 16, each summed
 first to last, the runs added in order; a probe at first use checks it), rounded to bf16.
@@ -22,11 +22,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                       np.float32)
 SCALE_BLOCK = 32  # channels per E8M0 scale byte
 HEAD_RUN = 16  # heads torch's sum adds first to last before it adds the runs
-_ABSENT = -100_000  # a query block with no nonzero value: its products are all zero
+_ABSENT = -100_000  # the exponent range of values that are all zero
 
 
 @numba.njit(cache=True, nogil=True)
@@ -82,7 +80,7 @@ def scale_bounds(q: np.ndarray, weights: np.ndarray, dim_blocks: int, bounds: np
         bounds[i, 0], bounds[i, 1], bounds[i, 2] = gap, least, most
 
 
-TILE = 64  # keys unpacked per pass, then scored (their values stay in the first-level cache)
+TILE = 64  # keys unpacked per pass, then scored together (16 to 128 measured the same)
 
 
 @numba.njit(cache=True, nogil=True)

@@ -399,16 +399,16 @@ def _loop_scores(q, weights, keys, ids) -> tuple[torch.Tensor, torch.Tensor]:
     q32, w32 = q.float().contiguous().numpy(), weights.float().contiguous().numpy()
     bounds = np.empty((b, 3), np.int64)
     cpu_index.scale_bounds(q32, w32, q.size(-1) // cpu_index.SCALE_BLOCK, bounds)
-    out = torch.empty(b, n, dtype=torch.int16)
-    unsure = torch.zeros(b, n, dtype=torch.uint8)
+    # numpy's allocations: torch's zero fill of a large array is a parallel operator, after which
+    # its OpenMP worker spins for milliseconds on the core the loop's second thread needs
+    out, unsure = np.empty((b, n), np.uint16), np.zeros((b, n), np.uint8)
     pairs = codecs.scaled_code_table(True, False, cpu_index.SCALE_BLOCK, torch.float32).numpy()
-    arrays = (q32, w32, bounds, keys.contiguous().numpy(), ids.numpy(), pairs, out.numpy().view(np.uint16),
-              unsure.numpy())
+    arrays = (q32, w32, bounds, keys.contiguous().numpy(), ids.numpy(), pairs, out, unsure)
     if n >= INDEX_SPLIT_KEYS:
         cpu_attention.over_queries(cpu_index.packed_index_scores, n, *arrays)
     else:
         cpu_index.packed_index_scores(*arrays, 0, n)
-    return out.view(torch.bfloat16), unsure
+    return torch.from_numpy(out).view(torch.bfloat16), torch.from_numpy(unsure)
 
 
 @functools.cache
@@ -421,7 +421,8 @@ def _packed_loop_keeps_bits(heads: int, dim: int) -> bool:
     scale = torch.exp2(torch.randint(-6, 6, (1, 2048, 1), generator=generator).float())
     keys = pack_rows(torch.randn(1, 2048, dim, generator=generator) * scale, fmt)
     q = mxfp4_qdq(torch.randn(2, heads, dim, generator=generator)).bfloat16()
-    weights = torch.randn(2, heads, generator=generator).bfloat16()
+    spread = torch.exp2(torch.randint(-12, 13, (2, heads), generator=generator).float())  # terms far apart
+    weights = (torch.randn(2, heads, generator=generator) * spread).bfloat16()
     ids = torch.randint(-1, 2048, (2, 3000), generator=generator)
     with torch.inference_mode():
         scores, unsure = _loop_scores(q, weights, keys, ids.long().clamp(min=-1))
