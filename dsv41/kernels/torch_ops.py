@@ -399,8 +399,8 @@ def _loop_scores(q, weights, keys, ids) -> tuple[torch.Tensor, torch.Tensor]:
     q32, w32 = q.float().contiguous().numpy(), weights.float().contiguous().numpy()
     bounds = np.empty((b, 3), np.int64)
     cpu_index.scale_bounds(q32, w32, q.size(-1) // cpu_index.SCALE_BLOCK, bounds)
-    # numpy's allocations: torch's zero fill of a large array is a parallel operator, after which
-    # its OpenMP worker spins for milliseconds on the core the loop's second thread needs
+    # numpy's allocations: torch's zero fill of a large array is a parallel operator, and one fewer
+    # leaves its OpenMP worker less often spinning on the core the loop's second thread needs
     out, unsure = np.empty((b, n), np.uint16), np.zeros((b, n), np.uint8)
     pairs = codecs.scaled_code_table(True, False, cpu_index.SCALE_BLOCK, torch.float32).numpy()
     arrays = (q32, w32, bounds, keys.contiguous().numpy(), ids.numpy(), pairs, out, unsure)
