@@ -31,12 +31,12 @@ def _queries(rng: torch.Generator, b: int, heads: int, dim: int) -> tuple[torch.
     return q, (torch.randn(b, heads, generator=rng) * spread).bfloat16()
 
 
-@pytest.mark.parametrize("heads", [4, 16, 64])
+@pytest.mark.parametrize("heads", [1, 3, 4])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_loop_scores_equal_the_operators(rng, heads, threads, monkeypatch):
     """Per-sequence keys and one pool expanded over the batch, whole ranges and id lists with
-    unused (-1) slots, 1 and 2 threads, the heads summed in runs of 16 where there are more: every
-    score has the operators' bits, and the loop (not the operators' retry) scored nearly all."""
+    unused (-1) slots, 1 and 2 threads: every score has the operators' bits, and the loop (not the
+    operators' retry) scored nearly all. Up to 4 heads, the counts torch sums first to last."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(torch_ops, "INDEX_SPLIT_KEYS", 100)  # these few keys split over the threads too
     q, weights = _queries(rng, 3, heads, 128)
@@ -51,6 +51,32 @@ def test_loop_scores_equal_the_operators(rng, heads, threads, monkeypatch):
         assert sure.float().mean() > 0.99
         want = torch_ops._operator_index_scores(q, weights, keys, ids)
         assert torch.equal(_bits(scores[sure]), _bits(want[sure]))
+    # terms of 2^25, -2^25 and ones, where another order of the heads would give other scores
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    q, weights, one_key = torch_ops._order_revealing(heads, 128, torch.Generator().manual_seed(seed))
+    for n in (1, 5):
+        keys = one_key[:1].expand(1, n, -1).contiguous()
+        scores, unsure = torch_ops._loop_scores(q, weights, keys, torch.arange(n).expand(q.size(0), -1).contiguous())
+        want = torch_ops._operator_index_scores(q, weights, keys.expand(q.size(0), -1, -1))
+        assert not unsure.any() and torch.equal(_bits(scores), _bits(want))
+
+
+@pytest.mark.parametrize("heads", [4, 5, 16, 32])
+def test_the_loop_serves_only_where_it_sums_the_heads_in_torchs_order(rng, heads):
+    """Head terms of 2^25, -2^25 and ones on random heads, where the summation order decides the
+    score: wherever the probe lets the loop serve, the loop alone gives the operators' bits on
+    them, at several key counts; and `index_scores` gives the operators' bits either way."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    q, weights, one_key = torch_ops._order_revealing(heads, 128, torch.Generator().manual_seed(seed))
+    serves = torch_ops._packed_loop_keeps_bits(heads, 128)
+    for n in (1, 3, 8, 37):
+        keys = one_key[:1].expand(1, n, -1).contiguous().expand(q.size(0), -1, -1)
+        want = torch_ops._operator_index_scores(q, weights, keys)
+        assert torch.equal(_bits(torch_ops.index_scores(q, weights, keys)), _bits(want))
+        if serves:
+            ids = torch.arange(n).expand(q.size(0), -1).contiguous()
+            scores, unsure = torch_ops._loop_scores(q, weights, keys[:1], ids)
+            assert not unsure.any() and torch.equal(_bits(scores), _bits(want))
 
 
 def test_keys_the_loop_cannot_vouch_for_are_scored_by_the_operators(rng):
@@ -91,29 +117,3 @@ def test_scale_bounds_by_hand():
     assert bounds[0].tolist() == [11, 3, 228]
     # |2^-130| >= 2^-130, its lowest bit: the term's unit 2^(-1 + s - 128 - 130) is normal from s = 133
     assert bounds[1].tolist() == [11, 133, 229]
-
-
-def test_heads_are_summed_in_the_operators_order():
-    """64 heads whose terms need more than float32's bits together: 2^25 in one head, four ones,
-    -2^25 later. Where the ones fall (beside 2^25 in a run of 16 heads, or in a run of their own)
-    decides whether they survive, so summing first to last, or in runs of another length, gives
-    other scores. Every dot product is exactly 1 (a key of ones against one query channel)."""
-    heads, dim = 64, 128
-    q = torch.zeros(2, heads, dim, dtype=torch.bfloat16)
-    q[:, :, 0] = 1.0
-    key = torch.zeros(1, 4, dim)
-    key[..., ::32] = 1.0
-    keys = pack_rows(key, index_k_format(dim)).expand(2, -1, -1)
-    weights = torch.zeros(2, heads)
-    weights[:, 0], weights[:, 32] = 2.0**25, -(2.0**25)
-    weights[0, 8:12] = 1.0  # in the first run of 16, beside 2^25
-    weights[1, 16:20] = 1.0  # a run of their own
-    weights = weights.bfloat16()
-    want = torch_ops._operator_index_scores(q, weights, keys)
-    first_to_last = torch.zeros(2, 4)
-    for h in range(heads):
-        first_to_last = first_to_last + weights[:, h : h + 1].float()
-    assert not torch.equal(want.float(), first_to_last)  # the order shows
-    scores, unsure = torch_ops._loop_scores(q, weights, keys[:1], torch.arange(4).expand(2, -1).contiguous())
-    assert not unsure.any()
-    assert torch.equal(_bits(scores), _bits(want))

@@ -13,8 +13,9 @@ finest unit into limits on a key's scale bytes, and each key is checked against 
 score is trusted; a key that fails (a spread of more than about 2^13 between its blocks' products,
 or values near float32's subnormal range) is marked, and its caller scores it with the operators.
 After the dot products the loop rounds as the operators do: ReLU, times the head weight rounded
-to bf16, the heads summed in float32 in the order torch's sum takes them (runs of 16, each summed
-first to last, the runs added in order; a probe at first use checks it), rounded to bf16.
+to bf16, the heads summed in float32 first to last from +0, rounded to bf16. That is torch's order
+for up to 4 heads at every key count; from 5 heads torch's order depends on the key count (it
+reads the heads 4 at a time), so the caller's probe at first use keeps the operators there.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import numba
 import numpy as np
 
 SCALE_BLOCK = 32  # channels per E8M0 scale byte
-HEAD_RUN = 16  # heads torch's sum adds first to last before it adds the runs
 _ABSENT = -100_000  # the exponent range of values that are all zero
 
 
@@ -105,31 +105,23 @@ def _tile_dots(q: np.ndarray, values: np.ndarray, count: int, dots: np.ndarray) 
 
 
 @numba.njit(cache=True, nogil=True)
-def _tile_scores(dots: np.ndarray, dot_words: np.ndarray, weights: np.ndarray, count: int, total: np.ndarray,
-                 total_words: np.ndarray, run: np.ndarray) -> None:
+def _tile_scores(dots: np.ndarray, dot_words: np.ndarray, weights: np.ndarray, count: int, total: np.ndarray) -> None:
     """The operators' steps after the dot products, each a loop across the tile's keys (vector
     code): each dot rounded to bf16, ReLU, times its head weight rounded to bf16, the heads summed
-    in torch's order (runs of HEAD_RUN, each from +0) into total [TILE] float32, whose bits
-    total_words the caller checks and rounds. dots [heads, TILE] with dot_words its uint32 view."""
+    first to last from +0 into total [TILE] float32, whose bits the caller checks and rounds.
+    dots [heads, TILE] with dot_words its uint32 view."""
     heads = dots.shape[0]
     zero = np.float32(0.0)
+    for t in range(count):
+        total[t] = zero
     for h in range(heads):
         _round_to_bf16(dot_words[h, :count])
         weight = weights[h]
         for t in range(count):
             dots[h, t] = max(dots[h, t], zero) * weight
         _round_to_bf16(dot_words[h, :count])
-    for t in range(count):
-        total[t] = zero
-    for h in range(heads):
-        if h % HEAD_RUN == 0:
-            for t in range(count):
-                run[t] = zero
         for t in range(count):
-            run[t] += dots[h, t]
-        if h % HEAD_RUN == HEAD_RUN - 1 or h == heads - 1:
-            for t in range(count):
-                total[t] += run[t]
+            total[t] += dots[h, t]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -149,7 +141,7 @@ def packed_index_scores(q: np.ndarray, weights: np.ndarray, bounds: np.ndarray, 
     pair_values = values.view(np.int64)  # [TILE, dim / 2]: a code byte's two values at once
     dots = np.empty((heads, TILE), np.float32)
     dot_words = dots.view(np.uint32)
-    total, run = np.empty(TILE, np.float32), np.empty(TILE, np.float32)
+    total = np.empty(TILE, np.float32)
     total_words = total.view(np.uint32)
     smallest = np.empty(TILE, np.int64)
     largest = np.empty(TILE, np.int64)
@@ -171,7 +163,7 @@ def packed_index_scores(q: np.ndarray, weights: np.ndarray, bounds: np.ndarray, 
                         unpacked[first_byte + p] = scaled[entry[first_byte + p]]
                 smallest[t], largest[t] = low, high
             _tile_dots(q[i], values, count, dots)
-            _tile_scores(dots, dot_words, weights[i], count, total, total_words, run)
+            _tile_scores(dots, dot_words, weights[i], count, total)
             gap, least, most = bounds[i, 0], bounds[i, 1], bounds[i, 2]
             for t in range(count):
                 magnitude = total_words[t] & np.uint32(0x7FFFFFFF)

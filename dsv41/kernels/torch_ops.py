@@ -415,7 +415,8 @@ def _loop_scores(q, weights, keys, ids) -> tuple[torch.Tensor, torch.Tensor]:
 def _packed_loop_keeps_bits(heads: int, dim: int) -> bool:
     """Whether the loop gives the operators' bits on this machine for `heads` x `dim` queries: the
     dot products are exact by construction, but the head sum's order and the bf16 roundings are
-    torch's, so random queries, weights and keys (some of them far apart in scale) decide it, once."""
+    torch's. Random queries, weights and keys (some of them far apart in scale) decide it once,
+    with `_order_revealing` rows, whose sums differ between one order of the heads and another."""
     generator = torch.Generator().manual_seed(0)
     fmt = index_k_format(dim)
     scale = torch.exp2(torch.randint(-6, 6, (1, 2048, 1), generator=generator).float())
@@ -428,7 +429,30 @@ def _packed_loop_keeps_bits(heads: int, dim: int) -> bool:
         scores, unsure = _loop_scores(q, weights, keys, ids.long().clamp(min=-1))
         sure = unsure == 0
         expected = _operator_index_scores(q, weights, keys, ids)
-        return bool(sure.float().mean() > 0.5) and torch.equal(scores[sure], expected[sure])
+        if not (bool(sure.float().mean() > 0.5) and torch.equal(scores[sure], expected[sure])):
+            return False
+        q, weights, keys = _order_revealing(heads, dim, generator)
+        ids = torch.arange(keys.size(1)).expand(q.size(0), -1).contiguous()
+        scores, unsure = _loop_scores(q, weights, keys[:1], ids)
+        return not bool(unsure.any()) and torch.equal(scores, _operator_index_scores(q, weights, keys))
+
+
+def _order_revealing(heads: int, dim: int, generator: torch.Generator):
+    """Queries, weights and keys whose head terms are 2^25, -2^25 and a few ones on random heads
+    (every dot product exactly 1: one query channel against a key of ones): whether the ones
+    survive depends on which terms are added first, so another summation order of the heads gives
+    other scores."""
+    rows = 32
+    q = torch.zeros(rows, heads, dim, dtype=torch.bfloat16)
+    q[:, :, 0] = 1.0
+    key = torch.zeros(1, 1, dim)
+    key[..., :: cpu_index.SCALE_BLOCK] = 1.0
+    weights = torch.zeros(rows, heads)
+    for row in range(rows):
+        chosen = torch.randperm(heads, generator=generator)[: min(heads, 6)]
+        weights[row, chosen[2:]] = 1.0
+        weights[row, chosen[0]], weights[row, chosen[1 % len(chosen)]] = 2.0**25, -(2.0**25)
+    return q, weights.bfloat16(), pack_rows(key, index_k_format(dim)).expand(rows, -1, -1)
 
 
 def mhc_update(x, f, post, comb, mix, fn, scale, base, iters: int, hc_eps: float, norm_eps: float,
