@@ -16,12 +16,14 @@ def _tied_by_second_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return (best[..., k - 1] == best[..., k]) & best[..., k].isfinite()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("levels", [7, 40, 100_000])
-def test_untied_topk_matches_a_second_topk_and_the_fixed_policy(rng, levels):
-    """bf16 rows drawn from few values (ties everywhere) to many (ties rare), some with a tail of
-    unused entries at -inf (a tie there is no tie), k below and above the row width."""
+def test_untied_topk_matches_a_second_topk_and_the_fixed_policy(rng, levels, dtype):
+    """Rows drawn from few values (ties everywhere) to many (ties rare), some with a tail of
+    unused entries at -inf (a tie there is no tie), k below and above the row width; bf16 rows
+    (compared by their bits) and float32 ones (by value)."""
     for width, k in ((300, 17), (300, 299), (300, 300), (50, 64), (4096, 512)):
-        scores = (torch.randint(0, levels, (6, width), generator=rng).float() / levels - 0.5).bfloat16()
+        scores = (torch.randint(0, levels, (6, width), generator=rng).float() / levels - 0.5).to(dtype)
         scores[1, width // 2 :] = -torch.inf
         scores[2, :] = -torch.inf
         scores[3, k // 2 :] = -torch.inf

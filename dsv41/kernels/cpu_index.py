@@ -83,12 +83,17 @@ def scale_bounds(q: np.ndarray, weights: np.ndarray, dim_blocks: int, bounds: np
 TILE = 64  # keys unpacked per pass, then scored together (16 to 128 measured the same)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bf16_high_bits(word: np.uint32) -> np.uint32:
+    """The bf16 nearest (ties to even) to the finite float32 with bits `word`, as its 16 bits."""
+    return (word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
 @numba.njit(cache=True, nogil=True)
 def _round_to_bf16(words: np.ndarray) -> None:
     """float32 bits [n] rounded to the nearest bf16 (ties to even) in place, low half zero."""
     for i in range(words.shape[0]):
-        word = words[i]
-        words[i] = (word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        words[i] = _bf16_high_bits(words[i]) << np.uint32(16)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
@@ -169,8 +174,6 @@ def packed_index_scores(q: np.ndarray, weights: np.ndarray, bounds: np.ndarray, 
                 magnitude = total_words[t] & np.uint32(0x7FFFFFFF)
                 if (largest[t] - smallest[t] <= gap and smallest[t] >= least and largest[t] <= most
                         and (magnitude == 0 or magnitude >= np.uint32(0x00800000))):  # not subnormal
-                    word = total_words[t]
-                    word = (word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                    out[i, start + t] = np.uint16(word)
+                    out[i, start + t] = np.uint16(_bf16_high_bits(total_words[t]))
                 else:
                     unsure[i, start + t] = 1

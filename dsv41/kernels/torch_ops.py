@@ -437,7 +437,8 @@ def _packed_loop_keeps_bits(heads: int, dim: int) -> bool:
         return not bool(unsure.any()) and torch.equal(scores, _operator_index_scores(q, weights, keys))
 
 
-def _order_revealing(heads: int, dim: int, generator: torch.Generator):
+def _order_revealing(heads: int, dim: int,
+                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, weights and keys whose head terms are 2^25, -2^25 and a few ones on random heads
     (every dot product exactly 1: one query channel against a key of ones): whether the ones
     survive depends on which terms are added first, so another summation order of the heads gives
