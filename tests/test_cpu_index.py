@@ -117,3 +117,18 @@ def test_scale_bounds_by_hand():
     assert bounds[0].tolist() == [11, 3, 228]
     # |2^-130| >= 2^-130, its lowest bit: the term's unit 2^(-1 + s - 128 - 130) is normal from s = 133
     assert bounds[1].tolist() == [11, 133, 229]
+
+
+def test_non_finite_queries_and_weights_are_scored_by_the_operators(rng):
+    """A NaN or infinite query value or head weight (a model that diverged) makes the loop vouch
+    for nothing in that sequence: its scores are the operators', NaNs included, bit for bit, and
+    the other sequence's keys are still the loop's."""
+    q, weights = _queries(rng, 3, 4, 128)
+    q[0, 1, 5] = float("nan")
+    weights[1, 2] = float("inf")
+    keys = _keys(rng, 1, 300, 128, spread=2).expand(3, -1, -1)
+    _, unsure = torch_ops._loop_scores(q, weights, keys[:1], torch.arange(300).expand(3, -1).contiguous())
+    assert unsure[:2].all() and not unsure[2].any()
+    want = torch_ops._operator_index_scores(q, weights, keys)
+    assert want[0].isnan().any()
+    assert torch.equal(_bits(torch_ops.index_scores(q, weights, keys)), _bits(want))
