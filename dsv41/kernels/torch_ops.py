@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dsv41.kernels import codecs, cpu_attention, cpu_index, cpu_loops
+from dsv41.kernels import codecs, cpu_attention, cpu_decode, cpu_index, cpu_loops
 from dsv41.kernels.layouts import index_k_format, main_kv_format, pack_rows, swa_format, unpack_rows
 from dsv41.kernels.selection import official_topk
 from dsv41.model import mhc, numerics
@@ -323,16 +323,69 @@ def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float, tabl
     d = q.size(-1)
     # unpacked straight to fp32, what sparse_attention computes in: a code times its scale is exact
     # in bf16 and fp32 alike, so this skips rounding to bf16 and converting back (same values)
-    window = unpack_rows(ring, swa_format(d), torch.float32)
     entries = None if tables is None else tables.get(key)
     if entries is None:
         entries = unpack_rows(gather_rows(main, topk), main_kv_format(d), torch.float32)
         if tables is not None:
             tables[key] = entries
+    if _compiled_decode_serves(q, slots, topk):
+        out = _compiled_decode(q, ring, slots, entries, topk, sink, scale)
+        if out is not None:
+            return out
+    window = unpack_rows(ring, swa_format(d), torch.float32)
     kv = torch.cat([window, entries], dim=1)
     local = torch.arange(topk.size(1), device=q.device) + ring.size(1)
     idx = torch.cat([slots.int(), torch.where(topk >= 0, local, -1).int()], dim=1)
     return sparse_attention(q.unsqueeze(1), kv, sink, idx.unsqueeze(1), scale).squeeze(1)
+
+
+def _compiled_decode_serves(q: torch.Tensor, slots: torch.Tensor, topk: torch.Tensor) -> bool:
+    """Whether `_compiled_decode` stands in for `_chunks_at_once`: where that path runs (CPU,
+    official numerics, a batch within its limit, GEMMs that give each chunk its own product's
+    bits), with the ring slots and the entries each in whole chunks."""
+    b, h, d = q.shape
+    width = slots.size(1) + topk.size(1)
+    return (not numerics.is_stable() and cpu_loops.serves(q) and slots.size(1) % ATTENTION_CHUNK == 0
+            and topk.size(1) % ATTENTION_CHUNK == 0 and 0 < b * h * width <= CHUNKS_AT_ONCE_LIMIT
+            and _chunks_at_once_keep_bits(h, d, torch.get_num_threads()))
+
+
+def _compiled_decode(q, ring, slots, entries, topk, sink, scale: float) -> torch.Tensor | None:
+    """`sparse_attention` of one decode token per sequence (q [b, h, d] bf16) over its ring slots
+    (ring [b, W, bytes], slots [b, W]) and Top-k entries (entries [b, K, d] fp32, topk [b, K]), with
+    `_chunks_at_once`' bits and a third of its operator calls: the same GEMMs, on the ring's rows
+    in slot order and on the entries where they lie (no gathered table of both), the same
+    exponentials and sums, and the softmax's bookkeeping in compiled loops (`cpu_decode`). None
+    where a loop cannot vouch for the bits (the operators then take the call)."""
+    b, h, d = q.shape
+    w, k = slots.size(1), topk.size(1)
+    window_chunks, chunks = w // ATTENTION_CHUNK, (w + k) // ATTENTION_CHUNK
+    window = unpack_rows(gather_rows(ring, slots), swa_format(d), torch.float32)  # the rows the operators gather
+    qf = q.float()
+    window_keys = window.view(-1, ATTENTION_CHUNK, d)
+    entry_keys = entries.reshape(-1, ATTENTION_CHUNK, d)
+    slots_np, topk_np = slots.long().contiguous().numpy(), topk.long().contiguous().numpy()
+    run = b * h * ATTENTION_CHUNK
+    prob_args, rescale_args = torch.empty(chunks, run + 1), torch.empty(chunks, b * h + 1)  # runs a gap apart
+    last_running = torch.empty(b, h)
+    entry_dots = _chunk_dots(qf, entry_keys) if k else torch.empty(b, 0, h, ATTENTION_CHUNK)
+    if not cpu_decode.decode_logits(_chunk_dots(qf, window_keys).numpy(), entry_dots.numpy(), slots_np, topk_np,
+                                    scale, prob_args.numpy(), rescale_args.numpy(), last_running.numpy()):
+        return None
+    # each chunk's exponentials as a run of its own, as numerics.elementwise_runs lays them out
+    probs = torch.exp(prob_args[:, :run]).view(chunks, b, h, ATTENTION_CHUNK)
+    rescale = torch.exp(rescale_args[:, : b * h]).view(chunks, b, h)
+    sums = probs.sum(dim=-1)
+    sink_term = torch.exp(sink.float() - last_running)
+    window_probs = torch.empty(b, window_chunks, h, ATTENTION_CHUNK)
+    entry_probs = torch.empty(b, chunks - window_chunks, h, ATTENTION_CHUNK)
+    cpu_decode.split_probabilities(probs.numpy(), window_probs.numpy(), entry_probs.numpy())
+    entry_pv = _chunk_pv(entry_probs, entry_keys) if k else torch.empty(b, 0, h, d)
+    out = torch.empty(b, h, d)
+    if not cpu_decode.decode_outputs(_chunk_pv(window_probs, window_keys).numpy(), entry_pv.numpy(), rescale.numpy(),
+                                     sums.numpy(), sink_term.numpy(), topk_np, out.numpy()):
+        return None
+    return out.to(torch.bfloat16)
 
 
 def index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:

@@ -1,0 +1,136 @@
+"""The compiled decode attention (`dsv41/kernels/cpu_decode.py`, `torch_ops._compiled_decode`)
+against the operators it stands in for: the same bits for every output, whether the loops compute
+it or hand the call back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.kernels import cpu_decode, torch_ops
+from dsv41.kernels.layouts import main_kv_format, pack_rows, swa_format
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def _step_inputs(rng: torch.Generator, b: int, window: int, k: int, pool: int, d: int = 512, h: int = 4,
+                 zero_channels: int = 0):
+    """One decode token per sequence: packed rings with rotated slots (the first sequence's ring
+    partly unused), a page pool of packed entries, Top-k ids with unused slots and a whole unused
+    chunk where k allows; `zero_channels` channels of every ring row and entry are zero."""
+    rows = torch.randn(b, window, d, generator=rng) * 4
+    entries = torch.randn(1, pool, d, generator=rng) * 4
+    rows[..., :zero_channels] = 0
+    entries[..., :zero_channels] = 0
+    ring, main = pack_rows(rows, swa_format(d)), pack_rows(entries, main_kv_format(d))
+    slots = torch.stack([torch.arange(window).roll(int(torch.randint(0, window, (), generator=rng)))
+                         for _ in range(b)]).int()
+    slots[0, int(torch.randint(1, window, (), generator=rng)):] = -1
+    topk = torch.stack([torch.randperm(pool, generator=rng)[:k] for _ in range(b)]).int()
+    topk[-1, k - int(torch.randint(0, k // 2 + 1, (), generator=rng)):] = -1
+    if k >= 128 and b > 1:
+        topk[1, :64] = -1
+    q = (torch.randn(b, h, d, generator=rng) * float(torch.rand((), generator=rng) * 3 + 0.1)).bfloat16()
+    sink = torch.randn(h, generator=rng)
+    return q, ring, slots, main.expand(b, -1, -1), topk, sink
+
+
+def _with_operators(monkeypatch, args, scale: float) -> torch.Tensor:
+    with monkeypatch.context() as patch:
+        patch.setattr(torch_ops, "_compiled_decode_serves", lambda *_: False)
+        return torch_ops.sparse_attention_decode(*args, scale)
+
+
+def _counting_outputs(monkeypatch) -> list[bool]:
+    """Records each compiled output loop's verdict (True: the loop's result was used)."""
+    verdicts: list[bool] = []
+    loop = cpu_decode.decode_outputs
+
+    def counted(*args):
+        verdicts.append(bool(loop(*args)))
+        return verdicts[-1]
+
+    monkeypatch.setattr(cpu_decode, "decode_outputs", counted)
+    return verdicts
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_decode_gives_the_operators_bits(rng, threads, monkeypatch):
+    """Batches of 1 to 6 sequences, rings of 64 and 128 slots, 0 to 512 entries with unused slots:
+    every output has the operators' bits, and the loops (not the operators) produced them."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        verdicts = _counting_outputs(monkeypatch)
+        for trial in range(24):
+            b = int(torch.randint(1, 7, (), generator=rng))
+            window = (64, 128)[trial % 2]
+            k = 64 * int(torch.randint(0, 9, (), generator=rng))
+            args = _step_inputs(rng, b, window, k, pool=1024)
+            with torch.inference_mode():
+                want = _with_operators(monkeypatch, args, 512**-0.5)
+                got = torch_ops.sparse_attention_decode(*args, 512**-0.5)
+            assert torch.equal(_bits(got), _bits(want)), trial
+        assert len(verdicts) == 24 and sum(verdicts) >= 20
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_top_k_entries_read_from_the_step_table_give_the_same_bits(rng, monkeypatch):
+    """The layers after the first that read a group's entries take them from the step's table:
+    their outputs are the operators' too."""
+    args = _step_inputs(rng, 2, 128, 512, pool=2048)
+    tables: dict = {}
+    with torch.inference_mode():
+        want = _with_operators(monkeypatch, args, 512**-0.5)
+        first = torch_ops.sparse_attention_decode(*args, 512**-0.5, tables, "group")
+        again = torch_ops.sparse_attention_decode(*args, 512**-0.5, tables, "group")
+    assert list(tables) == ["group"]
+    assert torch.equal(_bits(first), _bits(want)) and torch.equal(_bits(again), _bits(want))
+
+
+def test_zero_outputs_beside_unused_entries_go_to_the_operators(rng, monkeypatch):
+    """Channels that are zero in every key give zero outputs; where the sequence also has unused
+    entry slots the loops cannot vouch for a zero's sign and hand the call back; without unused
+    slots they keep it. Either way the bits are the operators'."""
+    verdicts = _counting_outputs(monkeypatch)
+    for unused in (True, False):
+        q, ring, slots, main, topk, sink = _step_inputs(rng, 1, 128, 256, pool=512, zero_channels=8)
+        if not unused:
+            topk = torch.randperm(512, generator=rng)[:256].int()[None]
+        with torch.inference_mode():
+            want = _with_operators(monkeypatch, (q, ring, slots, main, topk, sink), 512**-0.5)
+            got = torch_ops.sparse_attention_decode(q, ring, slots, main, topk, sink, 512**-0.5)
+        assert torch.equal(_bits(got), _bits(want))
+        assert (want[..., :8] == 0).all()
+    assert verdicts == [False, True]
+
+
+def test_non_finite_queries_go_to_the_operators(rng, monkeypatch):
+    """A NaN or infinite query gives non-finite logits: the loops hand the call back and the
+    operators' result (NaN and all) comes out."""
+    for bad in (float("nan"), float("inf")):
+        q, ring, slots, main, topk, sink = _step_inputs(rng, 2, 128, 128, pool=512)
+        q[1, 2, 7] = bad
+        with torch.inference_mode():
+            want = _with_operators(monkeypatch, (q, ring, slots, main, topk, sink), 512**-0.5)
+            got = torch_ops.sparse_attention_decode(q, ring, slots, main, topk, sink, 512**-0.5)
+        assert torch.equal(_bits(got), _bits(want))
+        assert not got[1].isfinite().all()
+
+
+def test_shapes_the_loops_do_not_take_keep_the_operators(rng):
+    """Entries or ring slots not in whole chunks of 64, shape-stable numerics and
+    batches over the operators' one-pass limit are served by the operators."""
+    from dsv41.model import numerics
+
+    q, _, slots, _, topk, _ = _step_inputs(rng, 1, 128, 256, pool=512)
+    assert torch_ops._compiled_decode_serves(q, slots, topk)
+    assert not torch_ops._compiled_decode_serves(q, slots, topk[:, :100])
+    assert not torch_ops._compiled_decode_serves(q, slots[:, :100], topk)
+    with numerics.stable_numerics():
+        assert not torch_ops._compiled_decode_serves(q, slots, topk)
+    many = q.expand(64, -1, -1)
+    assert not torch_ops._compiled_decode_serves(many, slots.expand(64, -1), topk.expand(64, -1))
