@@ -134,3 +134,20 @@ def test_shapes_the_loops_do_not_take_keep_the_operators(rng):
         assert not torch_ops._compiled_decode_serves(q, slots, topk)
     many = q.expand(64, -1, -1)
     assert not torch_ops._compiled_decode_serves(many, slots.expand(64, -1), topk.expand(64, -1))
+
+
+def test_bf16_rounding_loop_converts_as_torch(rng):
+    """`cpu_loops.round_to_bf16` (the loops' final rounding) against torch's conversion: random
+    magnitudes, exact ties (odd and even), subnormals, infinities and NaNs."""
+    from dsv41.kernels import cpu_loops
+
+    values = torch.randn(4096, generator=rng) * torch.exp2(torch.randint(-140, 120, (4096,), generator=rng).float())
+    ties = (torch.randint(0, 2**16, (256,), generator=rng, dtype=torch.int64) << 16 | 0x8000).int().view(torch.float32)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -3e-39, 3.4e38])
+    values = torch.cat([values, ties, special])
+    rounded = values.clone()
+    cpu_loops.round_to_bf16(rounded.numpy())
+    want = values.bfloat16().float()
+    assert torch.equal(rounded.view(torch.int32)[~want.isnan()], want.view(torch.int32)[~want.isnan()])
+    assert torch.equal(rounded.isnan(), want.isnan())
+    assert torch.equal(rounded.bfloat16().view(torch.int16), values.bfloat16().view(torch.int16))

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from dsv41.kernels.cpu_loops import round_to_bf16
+
 CHUNK = 64  # keys per online-softmax step (torch_ops.ATTENTION_CHUNK)
 
 
@@ -69,20 +71,6 @@ def decode_logits(window_dots: np.ndarray, entry_dots: np.ndarray, slots: np.nda
 
 
 @numba.njit(cache=True, nogil=True)
-def _round_to_bf16(values: np.ndarray) -> None:
-    """float32 values [n] rounded to the nearest bf16 (ties to even) in place, as torch converts
-    them (a NaN becomes torch's bf16 NaN)."""
-    words = values.view(np.uint32)
-    for i in range(words.shape[0]):
-        if values[i] != values[i]:
-            words[i] = np.uint32(0x7FC00000)
-        else:
-            word = words[i]
-            words[i] = ((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
-                        >> np.uint32(16)) << np.uint32(16)
-
-
-@numba.njit(cache=True, nogil=True)
 def split_probabilities(probs: np.ndarray, window_probs: np.ndarray, entry_probs: np.ndarray) -> None:
     """probs [chunks, n, h, 64] rounded to bf16 values (what the P.V GEMMs multiply) and laid out
     per sequence for them: window_probs [n, W/64, h, 64], entry_probs [n, K/64, h, 64]."""
@@ -92,7 +80,7 @@ def split_probabilities(probs: np.ndarray, window_probs: np.ndarray, entry_probs
             for h in range(probs.shape[2]):
                 target = window_probs[s, c, h] if c < window_chunks else entry_probs[s, c - window_chunks, h]
                 target[:] = probs[c, s, h]
-                _round_to_bf16(target)
+                round_to_bf16(target)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -131,6 +119,6 @@ def decode_outputs(window_pv: np.ndarray, entry_pv: np.ndarray, rescale: np.ndar
                 if unused and (acc[i] == 0.0 or not np.isfinite(acc[i])):
                     return False
                 acc[i] = acc[i] / denom
-            _round_to_bf16(acc)
+            round_to_bf16(acc)
             out[s, h] = acc
     return True

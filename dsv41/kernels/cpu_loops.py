@@ -297,3 +297,18 @@ def runs_block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, 
         if end > start:
             block_scaled_rows(a[start:end], a_scale[start:end], w_t[e], w_scale_t[e], out[start:end])
         start = end
+
+
+@numba.njit(cache=True, nogil=True)
+def round_to_bf16(values: np.ndarray) -> None:
+    """float32 values [n] rounded in place to the nearest bf16 (ties to even), as torch converts
+    them: the low 16 bits zero, a NaN as torch's bf16 NaN."""
+    words = values.view(np.uint32)
+    for i in range(words.shape[0]):
+        if values[i] != values[i]:
+            words[i] = np.uint32(0x7FC00000)
+        else:
+            word = words[i]
+            words[i] = ((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
+                        >> np.uint32(16)) << np.uint32(16)
+
