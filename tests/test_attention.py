@@ -5,7 +5,7 @@ from safetensors.torch import load_file
 
 from dsv41.config import Mode, ModelConfig, config_from_dict, config_to_dict, load_config
 from dsv41.kernels.torch_ops import select_candidate_blocks, sparse_attention
-from dsv41.model.attention import Attention, visible_entries, window_indices
+from dsv41.model.attention import Attention, ring_slots, visible_entries, window_indices
 from dsv41.model.cache import DecodeCache
 from dsv41.model.numerics import stable_numerics
 from dsv41.model.reference import random_model
@@ -19,6 +19,22 @@ def test_window_is_exactly_the_last_w_positions_including_the_current_one():
     for p in range(20):
         seen = sorted(i for i in idx[p].tolist() if i >= 0)
         assert seen == list(range(max(0, p - 7), p + 1))
+
+
+def test_ring_slots_list_the_window_oldest_first_with_unwritten_slots_unused(rng):
+    """Each decode query's ring slots hold positions p-W+1..p oldest first (slot = position mod W),
+    -1 for positions before 0; full rings (their tables made once per phase) and filling ones mixed
+    in one batch, and in shape-stable numerics the unused slots last."""
+    window = 8
+    positions = torch.cat([torch.arange(0, 20), torch.randint(20, 10**6, (12,), generator=rng)])
+    for stable in (False, True):
+        with stable_numerics(stable):
+            for chosen in (positions, positions[positions >= window - 1], positions[:3]):
+                slots = ring_slots(chosen, window)
+                for p, row in zip(chosen.tolist(), slots.tolist(), strict=True):
+                    seen = [q % window for q in range(p - window + 1, p + 1) if q >= 0]
+                    unused = [-1] * (window - len(seen))
+                    assert row == (seen + unused if stable else unused + seen), (p, stable)
 
 
 def test_visible_entries_of_ratio_2_need_a_complete_pair_and_ratio_1_sees_the_current_token():

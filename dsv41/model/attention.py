@@ -44,6 +44,8 @@ class SharedAttention:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [b, s, k] entry ids, -1 = unused
     # a decode step's dequantized Top-k entries by (KV owner, Top-k producer), kept on the batch's first part
     decode_tables: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # and those entries' pool rows (the batch's Top-k ids through its page tables), by the same key
+    decode_pool_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None  # [b, s, pool size] entry ids of the candidate pool, -1 unused
     candidate_source: int = -1
     scored: dict[str, int] | None = None  # index entries scored, by layer kind, when counted
@@ -135,10 +137,21 @@ def ring_indices(position: int, window: int) -> torch.Tensor:
 
 def ring_slots(positions: torch.Tensor, window: int) -> torch.Tensor:
     """`ring_indices` of several decode queries at once: positions [B] -> [B, window]."""
+    if not numerics.is_stable() and bool((positions >= window - 1).all()):
+        # a full ring's slots depend on the position modulo the window alone: made once each
+        return torch.cat([_full_ring_slots(int(p) % window, window) for p in positions])
     positions = positions.unsqueeze(1)
     idx = (positions % window + 1 + torch.arange(window)) % window
     idx = torch.where(idx > positions, -1, idx)
     return valid_first(idx) if numerics.is_stable() else idx
+
+
+@functools.lru_cache(maxsize=4096)
+def _full_ring_slots(phase: int, window: int) -> torch.Tensor:
+    """The ring slots [1, window] of a decode query at a position p >= window - 1 with p % window
+    == phase, oldest first (shared: callers read it only)."""
+    with torch.inference_mode(False):  # usable where autograd records too
+        return ((phase + 1 + torch.arange(window)) % window).unsqueeze(0)
 
 
 def official_width(idx: torch.Tensor) -> torch.Tensor:
@@ -501,29 +514,36 @@ class Attention(nn.Module):
         packed and the index queries computed once for the batch (both are per-row work); each
         sequence's rings, compressor and index selection then use its own state. Returns [B, heads, dim]."""
         layer, b = self.spec.layer_id, len(parts)
+        key = (self.spec.kv_owner, self.spec.topk_producer)
         rings = [part.cache.windows[layer] for part in parts]
         packed = dispatch.pack_rows(kv, rings[0].fmt)
         starts = torch.tensor([part.start for part in parts])
         for i, (ring, part) in enumerate(zip(rings, parts, strict=True)):
             ring.data[:, part.start % self.window] = packed[:, i]
-        slots = ring_slots(starts, self.window).int()
+        slots = ring_slots(starts, self.window)
         if not self.spec.ratio:
             entry_idx = torch.empty(b, 0, dtype=torch.int32)
             main = torch.empty(b, 0, self.head_dim // 2 + self.head_dim // 16, dtype=torch.uint8)
         else:
             each = [1] * b if b > 1 else None
             query = self.indexer.query(x, qr, table[starts], each) if self.indexer is not None else None
-            entry_idx = self._decode_entries(x, qr, table, parts, query)
+            producer_idx = self._decode_entries(x, qr, table, parts, query)
             for i, part in enumerate(parts):
                 if part.trace is not None:
-                    _record(part, layer, "compress_topk_idxs",
-                            torch.where(entry_idx[i : i + 1] >= 0, entry_idx[i : i + 1] + self.window, -1).unsqueeze(1))
+                    mine = producer_idx[i : i + 1]
+                    slots_of_mine = torch.where(mine >= 0, mine + self.window, -1).unsqueeze(1)
+                    _record(part, layer, "compress_topk_idxs", slots_of_mine)
             stores = [part.cache.groups[self.spec.kv_owner].main_kv for part in parts]
             main = stores[0].pool.rows.expand(b, -1, -1)
-            entry_idx = official_width(PagedEntries.physical_of(stores, entry_idx).int())
-        return dispatch.sparse_attention_decode(q, torch.cat([ring.data for ring in rings]), slots, main, entry_idx,
-                                                self.attn_sink, self.head_dim**-0.5, parts[0].decode_tables,
-                                                (self.spec.kv_owner, self.spec.topk_producer))
+            # the layers reading the same entries of the same stores (a group's Reuse layers) map
+            # them to pool rows once a step, as they dequantize them once (`decode_tables`)
+            entry_idx = parts[0].decode_pool_rows.get(key)
+            if entry_idx is None:
+                entry_idx = official_width(PagedEntries.physical_of(stores, producer_idx).int())
+                parts[0].decode_pool_rows[key] = entry_idx
+        ring = rings[0].data if b == 1 else torch.cat([ring.data for ring in rings])
+        return dispatch.sparse_attention_decode(q, ring, slots, main, entry_idx, self.attn_sink, self.head_dim**-0.5,
+                                                parts[0].decode_tables, key)
 
     def _window(self, kv: torch.Tensor, shared: SharedAttention, prepared=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The SWA keys this forward attends over (FP8) and each query's slots in them; kv are the
