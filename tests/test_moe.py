@@ -42,6 +42,46 @@ def test_grouped_experts_give_the_per_expert_bits(moes, rng, monkeypatch, fast_g
     assert all_in_use == {False, True}
 
 
+def _with_operators(moe: moe_module.MoE, x: torch.Tensor, monkeypatch) -> torch.Tensor:
+    with monkeypatch.context() as patch:
+        patch.setattr(moe, "_one_token_by_loops", lambda *_: None)
+        return moe(x)
+
+
+@pytest.mark.parametrize("limit", [None, 0.0, 0.05])
+def test_one_token_by_loops_gives_the_operators_bits(moes, rng, monkeypatch, limit):
+    """A decode token's routed and shared experts in the compiled loops: the bits of the per-expert
+    operators for tokens small and large (the clamps bite), with the model's clamp, none, and a
+    tight one, in the first and the last layer; and the loops (not the operators) gave them."""
+    served = []
+    for moe in (moes[0], moes[-1]):
+        loops = moe._one_token_by_loops
+        monkeypatch.setattr(moe, "_one_token_by_loops", lambda *a, _f=loops: served.append(_f(*a)) or served[-1])
+        if limit is not None:
+            for expert in [*moe.experts, moe.shared_experts]:
+                monkeypatch.setattr(expert, "limit", limit)
+            monkeypatch.setattr(moe, "_uniform_experts", None)
+        with torch.inference_mode():
+            for trial in range(30):
+                x = (torch.randn(1, 1, moe.dim, generator=rng) * float(torch.rand((), generator=rng) * 8)).bfloat16()
+                want, got = _with_operators(moe, x, monkeypatch), moe(x)
+                assert torch.equal(want.view(torch.int16), got.view(torch.int16)), trial
+    assert len(served) == 60 and all(y is not None for y in served)
+
+
+def test_one_token_loops_hand_a_non_finite_activation_to_the_operators(moes, rng, monkeypatch):
+    """A hidden activation the FP8 quantizer cannot take in the loop (an infinity from a huge
+    token) makes the loops step back: the operators' result, NaN and all, comes out."""
+    moe = moes[0]
+    x = torch.randn(1, 1, moe.dim, generator=rng).bfloat16()
+    x[0, 0, :8] = 3e38
+    with torch.inference_mode():
+        weights, ids = moe.gate(x.view(1, -1))
+        assert moe._one_token_by_loops(weights, ids, quantize_rows(x.view(1, -1))) is None
+        want, got = _with_operators(moe, x, monkeypatch), moe(x)
+    assert torch.equal(want.view(torch.int16), got.view(torch.int16))
+
+
 def test_forward_groups_short_steps_only_and_rebuilds_stacks_after_a_weight_change(moes, rng, monkeypatch):
     moe = moes[1]
     calls = []
