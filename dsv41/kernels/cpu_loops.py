@@ -302,7 +302,8 @@ def runs_block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, 
 @numba.njit(cache=True, nogil=True)
 def round_to_bf16(values: np.ndarray) -> None:
     """float32 values [n] rounded in place to the nearest bf16 (ties to even), as torch converts
-    them: the low 16 bits zero, a NaN as torch's bf16 NaN."""
+    finite values and infinities: the low 16 bits zero (a NaN becomes 0x7FC00000, as torch's
+    scalar conversion writes it; its vector code writes 0xFFFF)."""
     words = values.view(np.uint32)
     for i in range(words.shape[0]):
         if values[i] != values[i]:
@@ -312,3 +313,100 @@ def round_to_bf16(values: np.ndarray) -> None:
             words[i] = ((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
                         >> np.uint32(16)) << np.uint32(16)
 
+
+
+@numba.njit(cache=True, nogil=True)
+def _lanes_sum(x: np.ndarray, width: int) -> np.float32:
+    """The float32 sum of x [n] in the order of torch's contiguous-row sum on the CPU: x read as
+    `width`-lane vectors, four interleaved accumulators of them (each a cascade of up to four
+    levels, a level taking 2^max(4, log2(n / 4 width) / 4) vectors before it passes its sum on),
+    the accumulators added first to last, the scalar tail summed from +0, then the lanes added to
+    it first to last. `rms_norm_rows` checks it against torch once per width and length."""
+    n = x.shape[0]
+    vectors = n // width
+    rows = vectors // 4
+    log2 = 0
+    while (1 << log2) < rows:
+        log2 += 1
+    power = max(4, log2 // 4)
+    step = 1 << power
+    acc = np.zeros((4, 4, width), np.float32)  # [level, accumulator, lane]
+    i = 0
+    while i + step <= rows:
+        for _ in range(step):
+            for k in range(4):
+                base = (i * 4 + k) * width
+                for lane in range(width):
+                    acc[0, k, lane] += x[base + lane]
+            i += 1
+        for level in range(1, 4):
+            for k in range(4):
+                for lane in range(width):
+                    acc[level, k, lane] += acc[level - 1, k, lane]
+                    acc[level - 1, k, lane] = 0.0
+            if i & ((step - 1) << (level * power)):
+                break
+    while i < rows:
+        for k in range(4):
+            base = (i * 4 + k) * width
+            for lane in range(width):
+                acc[0, k, lane] += x[base + lane]
+        i += 1
+    for level in range(1, 4):
+        for k in range(4):
+            for lane in range(width):
+                acc[0, k, lane] += acc[level, k, lane]
+    for v in range(rows * 4, vectors):
+        for lane in range(width):
+            acc[0, 0, lane] += x[v * width + lane]
+    for k in range(1, 4):
+        for lane in range(width):
+            acc[0, 0, lane] += acc[0, k, lane]
+    total = np.float32(0.0)
+    for t in range(vectors * width, n):
+        total += x[t]
+    for lane in range(width):
+        total += acc[0, 0, lane]
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def rms_norm_rows(x: np.ndarray, bf16: bool, weight: np.ndarray, eps: float, width: int, out: np.ndarray) -> bool:
+    """`layers.RMSNorm` of rows x [R, n] into out [R, n]: both float32, or (`bf16`) both int16
+    holding bf16 bits; weight [n] int16 holding the bf16 weight's bits. Per row: the squares'
+    sum (`_lanes_sum`), divided by n, plus eps, 1 / its square root, each value times it, then
+    the weight times that, rounded to bf16 for bf16 rows: torch's float32 operations in order.
+    False (out unfinished) where a bf16 row would hold a NaN: torch's conversion writes a NaN's
+    bits one way in its vector code and another in its scalar code."""
+    rows, n = x.shape
+    values = np.empty(n, np.float32)
+    words = values.view(np.uint32)
+    squares = np.empty(n, np.float32)
+    scale = np.empty(n, np.float32)
+    scale_words = scale.view(np.uint32)
+    for c in range(n):
+        scale_words[c] = np.uint32(np.uint16(weight[c])) << np.uint32(16)
+    for r in range(rows):
+        if bf16:
+            for c in range(n):
+                words[c] = np.uint32(np.uint16(x[r, c])) << np.uint32(16)
+        else:
+            for c in range(n):
+                values[c] = x[r, c]
+        for c in range(n):
+            squares[c] = values[c] * values[c]
+        mean = _lanes_sum(squares, width) / np.float32(n)
+        inverse = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
+        for c in range(n):
+            values[c] = scale[c] * (values[c] * inverse)
+        if bf16:
+            for c in range(n):
+                if values[c] != values[c]:
+                    return False
+            round_to_bf16(values)
+            for c in range(n):
+                out[r, c] = np.int16(words[c] >> np.uint32(16))
+        else:
+            for c in range(n):
+                out[r, c] = values[c]
+    return True
