@@ -371,42 +371,60 @@ def _lanes_sum(x: np.ndarray, width: int) -> np.float32:
 
 
 @numba.njit(cache=True, nogil=True)
+def bf16_values(bits: np.ndarray, out: np.ndarray) -> None:
+    """int16 [n] holding bf16 bits -> their float32 values in out [n]."""
+    words = out.view(np.uint32)
+    for c in range(bits.shape[0]):
+        words[c] = np.uint32(np.uint16(bits[c])) << np.uint32(16)
+
+
+@numba.njit(cache=True, nogil=True)
+def bf16_bits(values: np.ndarray, out: np.ndarray) -> bool:
+    """float32 values [n] (modified: rounded in place) -> their nearest bf16's bits in out [n] int16,
+    as torch converts them. False (out unfinished) at a NaN, whose bits torch writes one way in its
+    vector code and another in its scalar code."""
+    for c in range(values.shape[0]):
+        if values[c] != values[c]:
+            return False
+    round_to_bf16(values)
+    words = values.view(np.uint32)
+    for c in range(values.shape[0]):
+        out[c] = np.int16(words[c] >> np.uint32(16))
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def rms_norm_row(values: np.ndarray, weight: np.ndarray, eps: float, width: int, squares: np.ndarray) -> None:
+    """`layers.RMSNorm` of one row of float32 values [n] in place, before the cast to the row's
+    dtype (weight [n] float32, the bf16 weight's values; squares: scratch [n]): the squares' sum
+    (`_lanes_sum`), divided by n, plus eps, 1 / its square root, each value times it, then the
+    weight times that: torch's float32 operations in order."""
+    n = values.shape[0]
+    for c in range(n):
+        squares[c] = values[c] * values[c]
+    mean = _lanes_sum(squares, width) / np.float32(n)
+    inverse = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
+    for c in range(n):
+        values[c] = weight[c] * (values[c] * inverse)
+
+
+@numba.njit(cache=True, nogil=True)
 def rms_norm_rows(x: np.ndarray, bf16: bool, weight: np.ndarray, eps: float, width: int, out: np.ndarray) -> bool:
     """`layers.RMSNorm` of rows x [R, n] into out [R, n]: both float32, or (`bf16`) both int16
-    holding bf16 bits; weight [n] int16 holding the bf16 weight's bits. Per row: the squares'
-    sum (`_lanes_sum`), divided by n, plus eps, 1 / its square root, each value times it, then
-    the weight times that, rounded to bf16 for bf16 rows: torch's float32 operations in order.
-    False (out unfinished) where a bf16 row would hold a NaN: torch's conversion writes a NaN's
-    bits one way in its vector code and another in its scalar code."""
+    holding bf16 bits; weight [n] int16 holding the bf16 weight's bits (`rms_norm_row`, then the
+    cast to bf16 for bf16 rows). False (out unfinished) where a bf16 row would hold a NaN
+    (`bf16_bits`)."""
     rows, n = x.shape
-    values = np.empty(n, np.float32)
-    words = values.view(np.uint32)
-    squares = np.empty(n, np.float32)
-    scale = np.empty(n, np.float32)
-    scale_words = scale.view(np.uint32)
-    for c in range(n):
-        scale_words[c] = np.uint32(np.uint16(weight[c])) << np.uint32(16)
+    values, squares, scale = np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float32)
+    bf16_values(weight, scale)
     for r in range(rows):
         if bf16:
-            for c in range(n):
-                words[c] = np.uint32(np.uint16(x[r, c])) << np.uint32(16)
+            bf16_values(x[r], values)
         else:
-            for c in range(n):
-                values[c] = x[r, c]
-        for c in range(n):
-            squares[c] = values[c] * values[c]
-        mean = _lanes_sum(squares, width) / np.float32(n)
-        inverse = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
-        for c in range(n):
-            values[c] = scale[c] * (values[c] * inverse)
-        if bf16:
-            for c in range(n):
-                if values[c] != values[c]:
-                    return False
-            round_to_bf16(values)
-            for c in range(n):
-                out[r, c] = np.int16(words[c] >> np.uint32(16))
-        else:
-            for c in range(n):
-                out[r, c] = values[c]
+            values[:] = x[r]
+        rms_norm_row(values, scale, eps, width, squares)
+        if not bf16:
+            out[r] = values
+        elif not bf16_bits(values, out[r]):
+            return False
     return True

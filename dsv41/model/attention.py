@@ -17,15 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.config import LayerSpec, Mode, TextConfig
-from dsv41.kernels import dispatch
+from dsv41.kernels import cpu_projections, dispatch
 from dsv41.kernels.selection import official_topk, topk_entries, untied_topk
 from dsv41.kernels.torch_ops import candidate_entries, distinct_ids, pool_mask, sparse_attention
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
-from dsv41.model.layers import Linear, LinearsBeside, RMSNorm, Storage
+from dsv41.model.layers import Linear, LinearsBeside, RMSNorm, Storage, norm_sum_width
 from dsv41.model.pages import PagedEntries
-from dsv41.model.quant import fp8_qdq, main_kv_qdq, mxfp4_qdq
-from dsv41.model.rope import rotate
+from dsv41.model.quant import fp8_qdq, loop_serves, main_kv_qdq, mxfp4_qdq
+from dsv41.model.rope import rotate, rotation_keeps_bits
 from dsv41.model.trace import Trace
 
 
@@ -305,10 +305,7 @@ class Attention(nn.Module):
         each sequence's own state gives (`_attend_batch`)."""
         b, s, _ = x.shape
         rows = table[shared.positions] if isinstance(shared, SharedBatch) else table[shared.start : shared.start + s]
-        q_low, kv = self.q_and_kv(x)
-        qr = self.q_norm(q_low)
-        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
-        kv = rotate(self.kv_norm(kv), rows)
+        qr, q, kv = self._inputs_by_loop(x, rows) or self._inputs(x, rows)
         if isinstance(shared, SharedBatch) and shared.one_decode_token_each:
             o = self._decode_packed(x, qr, q[0], kv, table, shared.parts).unsqueeze(0)
         elif isinstance(shared, SharedBatch) and self.training:
@@ -329,6 +326,52 @@ class Attention(nn.Module):
         else:
             o = numerics.grouped_projection(o, wo_a)
         return self.wo_b(o.flatten(2))
+
+    def _inputs(self, x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The normed low-rank query qr [b, s, q_rank], the rotated query heads q [b, s, heads,
+        head_dim] and the rotated KV rows kv [b, s, head_dim] of input rows x [b, s, dim]."""
+        q_low, kv = self.q_and_kv(x)
+        qr = self.q_norm(q_low)
+        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), rows)
+        return qr, q, rotate(self.kv_norm(kv), rows)
+
+    def _inputs_by_loop(self, x: torch.Tensor, rows: torch.Tensor) -> tuple | None:
+        """`_inputs` in one compiled loop (`cpu_projections.attention_inputs`, about forty operator
+        calls fewer a layer); None where it does not serve or a value needs the operators."""
+        b, s, dim = x.shape
+        if not self._inputs_loop_serves(x, rows):
+            return None
+        flat = x.reshape(-1, dim).contiguous().view(torch.int16)
+        qr = x.new_empty(b, s, self.wq_a.out_features)
+        q = x.new_empty(b, s, self.n_heads, self.head_dim)
+        kv = x.new_empty(b, s, self.head_dim)
+        wa_t, wa_scale_t = self.q_and_kv.joined_loop_layout()
+        wb_t, wb_scale_t = self.wq_b.loop_layout()
+        norms = self.q_norm, self.kv_norm
+        weights = [norm.weight.view(torch.int16).numpy() for norm in norms]  # bf16 bits: numpy has no bf16
+        widths = [norm_sum_width(norm.weight.size(0)) for norm in norms]
+        outputs = [t.view(torch.int16).view(b * s, -1).numpy() for t in (qr, q, kv)]
+        if not cpu_projections.attention_inputs(
+                flat.numpy(), wa_t.numpy(), wa_scale_t.numpy(), *weights, self.q_norm.eps, *widths, wb_t.numpy(),
+                wb_scale_t.numpy(), torch.view_as_real(rows.contiguous()).numpy(), self.n_heads, *outputs):
+            return None
+        return qr, q, kv
+
+    def _inputs_loop_serves(self, x: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Whether `_inputs_by_loop` gives `_inputs`' bits: bf16 CPU rows of a decode-sized step,
+        where the operators multiply every projection by the compiled loop too (`loop_serves`),
+        both norms' sums and the rotation's complex products are reproduced here, and the norms
+        share their eps."""
+        flat = x.view(-1, x.size(-1)) if x.is_contiguous() else x.reshape(-1, x.size(-1))
+        q_rank, kv_dim = self.wq_a.out_features, self.head_dim
+        return (x.dtype == torch.bfloat16 and self.wq_a.scale is not None and self.wkv.scale is not None
+                and self.wq_b.scale is not None and rows.dtype == torch.complex64 and rows.size(0) == x.size(1)
+                and self.q_norm.eps == self.kv_norm.eps
+                and not numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
+                and loop_serves(flat, q_rank + kv_dim) and loop_serves(flat, q_rank) and loop_serves(flat, kv_dim)
+                and loop_serves(flat.new_empty(flat.size(0), q_rank), self.n_heads * self.head_dim)
+                and norm_sum_width(q_rank) is not None and norm_sum_width(kv_dim) is not None
+                and rotation_keeps_bits(rows.size(-1)))
 
     def _attend_one(self, x, qr, q, kv, table, shared: SharedAttention) -> torch.Tensor:
         """One sequence's attention over its projected tokens: [b, s, heads, head_dim]."""

@@ -241,10 +241,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _norm_loop_serves(x, self.weight):
-            out = _rms_norm_by_loop(x, self.weight, self.eps)
-            if out is not None:
-                return out
         return _rms_norm(x, self.weight, self.eps)
 
 
@@ -255,29 +251,23 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (weight * xf).to(x.dtype)
 
 
-def _norm_loop_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `cpu_loops.rms_norm_rows` stands in for the operators (about ten calls): CPU rows of
-    bf16 or fp32 without autograd, official numerics, a length whose sum order it reproduces here."""
-    return (x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == torch.bfloat16 and not numerics.is_stable()
-            and cpu_loops.serves(x) and _norm_sum_width(x.size(-1)) is not None)
-
-
-def _rms_norm_by_loop(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                      width: int | None = None) -> torch.Tensor | None:
-    """The norm by `cpu_loops.rms_norm_rows`; None where a bf16 output would be NaN."""
+def rms_norm_by_loop(x: torch.Tensor, weight: torch.Tensor, eps: float, width: int) -> torch.Tensor | None:
+    """`RMSNorm` by `cpu_loops.rms_norm_rows` (bf16 or fp32 CPU rows, the weight bf16), whose
+    `cpu_loops.rms_norm_row` the compiled attention inputs use: the check of its sum order. Not
+    the norms' own path: alone, its call cost what the operators do. None where a bf16 output
+    would be NaN."""
     rows = x.reshape(-1, x.size(-1)).contiguous()
     out = torch.empty_like(rows)
     bf16 = x.dtype == torch.bfloat16
     if bf16:  # as their bits: numpy has no bf16
         rows, out = rows.view(torch.int16), out.view(torch.int16)
-    if not cpu_loops.rms_norm_rows(rows.numpy(), bf16, weight.view(torch.int16).numpy(), eps,
-                                   width or _norm_sum_width(x.size(-1)), out.numpy()):
+    if not cpu_loops.rms_norm_rows(rows.numpy(), bf16, weight.view(torch.int16).numpy(), eps, width, out.numpy()):
         return None
     return out.view(x.dtype).view(x.shape)
 
 
 @functools.cache
-def _norm_sum_width(n: int) -> int | None:
+def norm_sum_width(n: int) -> int | None:
     """The vector width (in floats) whose lanes give torch's sum of n float32 values on this machine
     (`cpu_loops._lanes_sum`; 8 on the machines measured, AVX-512 ones too), or None: checked once
     per length on whole norms of random bf16 and fp32 rows, 1, 3 and 17 at a time (a norm's
@@ -289,7 +279,7 @@ def _norm_sum_width(n: int) -> int | None:
               for dtype in (torch.bfloat16, torch.float32) for scale in spread for eps in (1e-6, 1e-20)]
     with torch.inference_mode():
         for width in (8, 16, 4):
-            if all(_same_bits(_rms_norm(x, weight, eps), _rms_norm_by_loop(x, weight, eps, width))
+            if all(_same_bits(_rms_norm(x, weight, eps), rms_norm_by_loop(x, weight, eps, width))
                    for x, eps in trials):
                 return width
     return None

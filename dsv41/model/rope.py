@@ -7,11 +7,12 @@ branch use compress_rope_theta with YaRN for every rotation they apply.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
 from dsv41.config import Rope, TextConfig
+from dsv41.kernels import cpu_projections
 
 
 def yarn_band(rope_dim: int, theta: float, original_len: int, beta_fast: float, beta_slow: float) -> tuple[int, int]:
@@ -65,3 +66,20 @@ def rotate(x: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> torch
         table = table.unsqueeze(1)  # broadcast over heads
     rotated = torch.view_as_real(pairs * table).flatten(-2).to(x.dtype)
     return torch.cat([head, rotated], dim=-1)
+
+
+@cache
+def rotation_keeps_bits(pairs: int) -> bool:
+    """Whether `cpu_projections.rotate_pairs` gives `rotate`'s float32 bits on this machine for
+    tables of `pairs` pairs: torch's vector code multiplies complex numbers as two rounded products
+    and their rounded sum, but its scalar code (a row's last pairs past whole vectors) is compiled
+    with contraction allowed and may fuse them. Checked once on random rows, inverse tables too."""
+    generator = torch.Generator().manual_seed(0)
+    table = torch.polar(torch.ones(3, pairs), torch.rand(3, pairs, generator=generator) * 1000)
+    x = torch.randn(3, 2 * pairs + 8, generator=generator) * 8
+    for rows in (table, table.conj().resolve_conj()):
+        out = torch.empty_like(x)
+        cpu_projections.rotate_rows(x.numpy(), torch.view_as_real(rows).numpy(), out.numpy())
+        if not torch.equal(out.view(torch.int32), rotate(x[None], rows)[0].view(torch.int32)):
+            return False
+    return True
