@@ -44,64 +44,76 @@ def test_grouped_experts_give_the_per_expert_bits(moes, rng, monkeypatch, fast_g
 
 def _with_operators(moe: moe_module.MoE, x: torch.Tensor, monkeypatch) -> torch.Tensor:
     with monkeypatch.context() as patch:
-        patch.setattr(moe, "_one_token_by_loops", lambda *_: None)
+        patch.setattr(moe, "_tokens_by_loops", lambda *_: None)
         return moe(x)
 
 
 @pytest.mark.parametrize("limit", [None, 0.0, 0.05])
-def test_one_token_by_loops_gives_the_operators_bits(moes, rng, monkeypatch, limit):
-    """A decode token's routed and shared experts in the compiled loops: the bits of the per-expert
-    operators for tokens small and large (the clamps bite), with the model's clamp, none, and a
-    tight one, in the first and the last layer; and the loops (not the operators) gave them."""
+def test_tokens_by_loops_give_the_operators_bits(moes, rng, monkeypatch, limit):
+    """A decode step's tokens (1, 2, 7 and the most the loops take) through the routed and shared
+    experts in the compiled loops: the bits of the operators (per expert for one token, grouped for
+    more) for tokens small and large (the clamps bite), with the model's clamp, none, and a tight
+    one, in the first and the last layer; and the loops (not the operators) gave them."""
     served = []
     for moe in (moes[0], moes[-1]):
-        loops = moe._one_token_by_loops
-        monkeypatch.setattr(moe, "_one_token_by_loops", lambda *a, _f=loops: served.append(_f(*a)) or served[-1])
+        loops = moe._tokens_by_loops
+        monkeypatch.setattr(moe, "_tokens_by_loops", lambda *a, _f=loops: served.append(_f(*a)) or served[-1])
         if limit is not None:
             for expert in [*moe.experts, moe.shared_experts]:
                 monkeypatch.setattr(expert, "limit", limit)
             monkeypatch.setattr(moe, "_uniform_experts", None)
         with torch.inference_mode():
-            for trial in range(30):
-                x = (torch.randn(1, 1, moe.dim, generator=rng) * float(torch.rand((), generator=rng) * 8)).bfloat16()
+            for trial in range(12):
+                n = (1, 1, 2, 7, moe_module.GROUPED_MAX_TOKENS)[trial % 5]
+                scale = torch.rand(1, n, 1, generator=rng) * 8
+                x = (torch.randn(1, n, moe.dim, generator=rng) * scale).bfloat16()
                 want, got = _with_operators(moe, x, monkeypatch), moe(x)
-                assert torch.equal(want.view(torch.int16), got.view(torch.int16)), trial
-    assert len(served) == 60 and all(y is not None for y in served)
+                assert torch.equal(want.view(torch.int16), got.view(torch.int16)), (trial, n)
+    assert len(served) == 24 and all(y is not None for y in served)
 
 
-def test_one_token_loops_hand_a_non_finite_activation_to_the_operators(moes, rng, monkeypatch):
+def test_token_loops_hand_a_non_finite_activation_to_the_operators(moes, rng, monkeypatch):
     """A hidden activation the FP8 quantizer cannot take in the loop (an infinity from a huge
     token) makes the loops step back: the operators' result, NaN and all, comes out."""
     moe = moes[0]
-    x = torch.randn(1, 1, moe.dim, generator=rng).bfloat16()
-    x[0, 0, :8] = 3e38
+    x = torch.randn(1, 3, moe.dim, generator=rng).bfloat16()
+    x[0, 1, :8] = 3e38
     with torch.inference_mode():
-        weights, ids = moe.gate(x.view(1, -1))
-        assert moe._one_token_by_loops(weights, ids, quantize_rows(x.view(1, -1))) is None
+        weights, ids = moe.gate(x.view(3, -1))
+        assert moe._tokens_by_loops(weights, ids, quantize_rows(x.view(3, -1))) is None
         want, got = _with_operators(moe, x, monkeypatch), moe(x)
     assert torch.equal(want.view(torch.int16), got.view(torch.int16))
 
 
 def test_forward_groups_short_steps_only_and_rebuilds_stacks_after_a_weight_change(moes, rng, monkeypatch):
+    """Where the compiled loops do not serve, steps of 2 to 64 tokens take the grouped experts;
+    after a weight changes, the grouped experts and the loops (which read the same stacks) both
+    compute with the new weight."""
     moe = moes[1]
     calls = []
     grouped = moe._routed_grouped
     monkeypatch.setattr(moe, "_routed_grouped", lambda *a: calls.append(a[0].size(0)) or grouped(*a))
-    with torch.inference_mode():
+    with torch.inference_mode(), monkeypatch.context() as patch:
+        patch.setattr(moe, "_tokens_by_loops", lambda *_: None)
         for n in (1, 8, moe_module.GROUPED_MAX_TOKENS + 1):
             moe(torch.randn(1, n, moe.dim, generator=rng).bfloat16())
-        assert calls == [8]
+    assert calls == [8]
+    with torch.inference_mode():
         x = torch.randn(12, moe.dim, generator=rng).bfloat16()
         before = _both(moe, x)[1]
+        by_loops = moe(x[None])
         w1 = moe.experts[int(moe.gate(x)[1][0, 0])].w1
         saved = w1.weight.clone()
         try:
             w1.weight.copy_(torch.roll(saved, 1, dims=0))  # another expert's worth of values
             want, got = _both(moe, x)
             assert torch.equal(want, got) and not torch.equal(got, before)
+            changed = moe(x[None])
+            assert torch.equal(changed, _with_operators(moe, x[None], monkeypatch))
+            assert not torch.equal(changed, by_loops)
         finally:
             w1.weight.copy_(saved)
-        assert torch.equal(_both(moe, x)[1], before)
+        assert torch.equal(_both(moe, x)[1], before) and torch.equal(moe(x[None]), by_loops)
 
 
 def test_gate_scores_by_sequence_equal_each_sequence_alone(rng):

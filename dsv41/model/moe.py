@@ -126,7 +126,7 @@ class MoE(nn.Module):
         if routing is not None:
             routing.update(gate_indices=ids, gate_weights=weights)
         quantized = quantize_rows(x) if self.shared_experts.w1.scale is not None else None
-        y = self._one_token_by_loops(weights, ids, quantized) if x.size(0) == 1 else None
+        y = self._tokens_by_loops(weights, ids, quantized) if x.size(0) <= GROUPED_MAX_TOKENS else None
         if y is None:
             if quantized is not None and 1 < x.size(0) <= GROUPED_MAX_TOKENS and not torch.is_grad_enabled():
                 y = self._routed_grouped(x, weights, ids, quantized)
@@ -135,36 +135,41 @@ class MoE(nn.Module):
             y += self.shared_experts(x, quantized=quantized)
         return y.type_as(x).view(shape)
 
-    def _one_token_by_loops(self, weights, ids, quantized: QuantizedRows | None) -> torch.Tensor | None:
-        """One token's routed experts (in increasing id) and shared expert, summed into fp32 [1, dim]
-        as `_routed_per_expert` and the shared expert's call do it, in two compiled loops around
-        one SiLU (`cpu_moe`: the same bits, a tenth of the operator calls). None where the loops do
-        not serve (the operators then run): a product the loop does not take at this shape, or a
-        hidden activation the general quantizer must take."""
+    def _tokens_by_loops(self, weights, ids, quantized: QuantizedRows | None) -> torch.Tensor | None:
+        """A decode step's tokens' routed experts (each token's in increasing id) and shared expert,
+        summed into fp32 [n, dim] as `_routed_per_expert` (or `_routed_grouped`) and the shared
+        expert's call do it, in two compiled loops around one SiLU (`cpu_moe`: the same bits, a
+        tenth of the operator calls). None where the loops do not serve (the operators then run):
+        a product the loop does not take at this shape, or a hidden activation the general
+        quantizer must take."""
         shared = self.shared_experts
         if quantized is None or not self._loops_serve(quantized[0]):
             return None
-        order = sorted((e, slot) for slot, e in enumerate(ids[0].tolist()))
-        experts = np.array([e for e, _ in order] + [-1], dtype=np.int64)
-        scale = np.ones(len(order) + 1, dtype=np.float32)  # the shared expert's product is left as it is
-        scale[: len(order)] = weights[0].numpy()[[slot for _, slot in order]]
+        n, k = ids.shape
+        chosen = ids.numpy()
+        order = np.argsort(chosen, axis=1, kind="stable")  # each token's experts by increasing id
+        experts = np.concatenate([np.take_along_axis(chosen, order, 1), np.full((n, 1), -1)], axis=1)
+        scale = np.ones((n, k + 1), dtype=np.float32)  # the shared expert's product is left as it is
+        scale[:, :k] = np.take_along_axis(weights.numpy(), order, 1)
+        tokens = np.repeat(np.arange(n), k + 1)
         up_layout, down_layout = self._stacked_loop(("w1", "w3")), self._stacked_loop(("w2",))
         shared_up, shared_down = shared.gate_up.joined_loop_layout(), shared.w2.loop_layout()
-        gate = torch.empty(len(experts), shared.w1.out_features)
+        gate = torch.empty(n * (k + 1), shared.w1.out_features)
         up = torch.empty_like(gate)
+        pairs = tokens, experts.reshape(-1).astype(np.int64)
         cpu_moe.experts_gate_up(quantized[0].numpy(), quantized[1].numpy(), *(t.numpy() for t in up_layout),
-                                *(t.numpy() for t in shared_up), experts, shared.limit, gate.numpy(), up.numpy())
-        # each expert's row as alone: rows in whole vector strides (at most 64 floats) already are
+                                *(t.numpy() for t in shared_up), *pairs, shared.limit, gate.numpy(), up.numpy())
+        # each pair's row as alone: rows in whole vector strides (at most 64 floats) already are
         aligned = gate.size(1) % 64 == 0
         silu = F.silu(gate) if aligned else numerics.elementwise_runs(F.silu, gate, gate.size(1))
-        y = torch.zeros(1, self.dim)
-        if not cpu_moe.experts_down(silu.numpy(), up.numpy(), scale, *(t.numpy() for t in down_layout),
-                                    *(t.numpy() for t in shared_down), experts, y.numpy()):
+        y = torch.zeros(n, self.dim)
+        if not cpu_moe.experts_down(silu.numpy(), up.numpy(), scale.reshape(-1), *(t.numpy() for t in down_layout),
+                                    *(t.numpy() for t in shared_down), *pairs, y.numpy()):
             return None
         return y
 
     def _loops_serve(self, q: torch.Tensor) -> bool:
-        """Whether `_one_token_by_loops` gives the operators' bits for the quantized token q [1, K]:
+        """Whether `_tokens_by_loops` gives the operators' bits for the quantized tokens q [n, K]:
         the operators then multiply every projection by the compiled loop too."""
         if self._uniform_experts is None:  # the experts' structure, read once (a submodule lookup costs ~1 µs)
             shared = self.shared_experts
@@ -172,7 +177,7 @@ class MoE(nn.Module):
                 expert.w1.scale is not None and expert.w1.out_features == shared.w1.out_features
                 and expert.limit == shared.limit for expert in [*self.experts, shared])
         inter = self.shared_experts.w1.out_features
-        hidden = q.new_empty(1, inter)
+        hidden = q.new_empty(q.size(0), inter)
         return (self._uniform_experts and not numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
                 and loop_serves(q, inter) and loop_serves(q, 2 * inter) and loop_serves(hidden, self.dim))
 
