@@ -366,9 +366,11 @@ def _compiled_decode(q, ring, slots, entries, topk, sink, scale: float) -> torch
     entry_keys = entries.reshape(-1, ATTENTION_CHUNK, d)
     slots_np, topk_np = slots.long().contiguous().numpy(), topk.long().contiguous().numpy()
     run = b * h * ATTENTION_CHUNK
-    prob_args, rescale_args = torch.empty(chunks, run + 1), torch.empty(chunks, b * h + 1)  # runs a gap apart
-    last_running = torch.empty(b, h)
-    entry_dots = _chunk_dots(qf, entry_keys) if k else torch.empty(b, 0, h, ATTENTION_CHUNK)
+    f32 = torch.float32  # not the default dtype, which a caller may have set to bf16
+    prob_args = torch.empty(chunks, run + 1, dtype=f32)  # each chunk's run a gap apart, as the operators'
+    rescale_args = torch.empty(chunks, b * h + 1, dtype=f32)
+    last_running = torch.empty(b, h, dtype=f32)
+    entry_dots = _chunk_dots(qf, entry_keys) if k else torch.empty(b, 0, h, ATTENTION_CHUNK, dtype=f32)
     if not cpu_decode.decode_logits(_chunk_dots(qf, window_keys).numpy(), entry_dots.numpy(), slots_np, topk_np,
                                     scale, prob_args.numpy(), rescale_args.numpy(), last_running.numpy()):
         return None
@@ -377,11 +379,11 @@ def _compiled_decode(q, ring, slots, entries, topk, sink, scale: float) -> torch
     rescale = torch.exp(rescale_args[:, : b * h]).view(chunks, b, h)
     sums = probs.sum(dim=-1)
     sink_term = torch.exp(sink.float() - last_running)
-    window_probs = torch.empty(b, window_chunks, h, ATTENTION_CHUNK)
-    entry_probs = torch.empty(b, chunks - window_chunks, h, ATTENTION_CHUNK)
+    window_probs = torch.empty(b, window_chunks, h, ATTENTION_CHUNK, dtype=f32)
+    entry_probs = torch.empty(b, chunks - window_chunks, h, ATTENTION_CHUNK, dtype=f32)
     cpu_decode.split_probabilities(probs.numpy(), window_probs.numpy(), entry_probs.numpy())
-    entry_pv = _chunk_pv(entry_probs, entry_keys) if k else torch.empty(b, 0, h, d)
-    out = torch.empty(b, h, d)
+    entry_pv = _chunk_pv(entry_probs, entry_keys) if k else torch.empty(b, 0, h, d, dtype=f32)
+    out = torch.empty(b, h, d, dtype=f32)
     if not cpu_decode.decode_outputs(_chunk_pv(window_probs, window_keys).numpy(), entry_pv.numpy(), rescale.numpy(),
                                      sums.numpy(), sink_term.numpy(), topk_np, out.numpy()):
         return None

@@ -273,9 +273,9 @@ def norm_sum_width(n: int) -> int | None:
     per length on whole norms of random bf16 and fp32 rows, 1, 3 and 17 at a time (a norm's
     rsqrt runs in torch's vector code from 16 rows)."""
     generator = torch.Generator().manual_seed(0)
-    weight = (torch.randn(n, generator=generator) + 1).bfloat16()
-    spread = [4.0 ** torch.randint(-8, 8, (rows, 1), generator=generator) for rows in (1, 3, 17)]
-    trials = [((torch.randn(scale.size(0), n, generator=generator) * scale).to(dtype), eps)
+    weight = (torch.randn(n, generator=generator, dtype=torch.float32) + 1).bfloat16()
+    spread = [4.0 ** torch.randint(-8, 8, (rows, 1), generator=generator).float() for rows in (1, 3, 17)]
+    trials = [((torch.randn(scale.size(0), n, generator=generator, dtype=torch.float32) * scale).to(dtype), eps)
               for dtype in (torch.bfloat16, torch.float32) for scale in spread for eps in (1e-6, 1e-20)]
     with torch.inference_mode():
         for width in (8, 16, 4):

@@ -154,7 +154,7 @@ class MoE(nn.Module):
         tokens = np.repeat(np.arange(n), k + 1)
         up_layout, down_layout = self._stacked_loop(("w1", "w3")), self._stacked_loop(("w2",))
         shared_up, shared_down = shared.gate_up.joined_loop_layout(), shared.w2.loop_layout()
-        gate = torch.empty(n * (k + 1), shared.w1.out_features)
+        gate = torch.empty(n * (k + 1), shared.w1.out_features, dtype=torch.float32)
         up = torch.empty_like(gate)
         pairs = tokens, experts.reshape(-1).astype(np.int64)
         cpu_moe.experts_gate_up(quantized[0].numpy(), quantized[1].numpy(), *(t.numpy() for t in up_layout),
@@ -162,7 +162,7 @@ class MoE(nn.Module):
         # each pair's row as alone: rows in whole vector strides (at most 64 floats) already are
         aligned = gate.size(1) % 64 == 0
         silu = F.silu(gate) if aligned else numerics.elementwise_runs(F.silu, gate, gate.size(1))
-        y = torch.zeros(n, self.dim)
+        y = torch.zeros(n, self.dim, dtype=torch.float32)
         if not cpu_moe.experts_down(silu.numpy(), up.numpy(), scale.reshape(-1), *(t.numpy() for t in down_layout),
                                     *(t.numpy() for t in shared_down), *pairs, y.numpy()):
             return None

@@ -75,8 +75,9 @@ def rotation_keeps_bits(pairs: int) -> bool:
     and their rounded sum, but its scalar code (a row's last pairs past whole vectors) is compiled
     with contraction allowed and may fuse them. Checked once on random rows, inverse tables too."""
     generator = torch.Generator().manual_seed(0)
-    table = torch.polar(torch.ones(3, pairs), torch.rand(3, pairs, generator=generator) * 1000)
-    x = torch.randn(3, 2 * pairs + 8, generator=generator) * 8
+    angles = torch.rand(3, pairs, generator=generator, dtype=torch.float32) * 1000
+    table = torch.polar(torch.ones_like(angles), angles)
+    x = torch.randn(3, 2 * pairs + 8, generator=generator, dtype=torch.float32) * 8
     for rows in (table, table.conj().resolve_conj()):
         out = torch.empty_like(x)
         cpu_projections.rotate_rows(x.numpy(), torch.view_as_real(rows).numpy(), out.numpy())
