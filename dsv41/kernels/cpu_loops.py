@@ -316,6 +316,15 @@ def round_to_bf16(values: np.ndarray) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
+def _add_vectors(acc: np.ndarray, x: np.ndarray, i: int, width: int) -> None:
+    """acc[k] += x's vector 4 i + k, lane by lane, for the four interleaved accumulators k."""
+    for k in range(4):
+        base = (i * 4 + k) * width
+        for lane in range(width):
+            acc[k, lane] += x[base + lane]
+
+
+@numba.njit(cache=True, nogil=True)
 def _lanes_sum(x: np.ndarray, width: int) -> np.float32:
     """The float32 sum of x [n] in the order of torch's contiguous-row sum on the CPU: x read as
     `width`-lane vectors, four interleaved accumulators of them (each a cascade of up to four
@@ -334,10 +343,7 @@ def _lanes_sum(x: np.ndarray, width: int) -> np.float32:
     i = 0
     while i + step <= rows:
         for _ in range(step):
-            for k in range(4):
-                base = (i * 4 + k) * width
-                for lane in range(width):
-                    acc[0, k, lane] += x[base + lane]
+            _add_vectors(acc[0], x, i, width)
             i += 1
         for level in range(1, 4):
             for k in range(4):
@@ -347,10 +353,7 @@ def _lanes_sum(x: np.ndarray, width: int) -> np.float32:
             if i & ((step - 1) << (level * power)):
                 break
     while i < rows:
-        for k in range(4):
-            base = (i * 4 + k) * width
-            for lane in range(width):
-                acc[0, k, lane] += x[base + lane]
+        _add_vectors(acc[0], x, i, width)
         i += 1
     for level in range(1, 4):
         for k in range(4):
