@@ -5,11 +5,12 @@ A decode token attends over its SWA ring slots and its Top-k entries, in chunks 
 operator version takes about sixty small operators for the softmax's bookkeeping around its
 GEMMs (masking, maxima, running maxima, rescaling chunk after chunk, the final division): about
 0.6 ms a layer on `mini`, a quarter of a 4K decode step. Here torch keeps what only it computes
-with its bits (the GEMMs, the exponentials, each chunk's probability sum) and two loops do the
-rest, each float32 operation as the operators do it, in the same order (no fused multiply-add:
+with its bits (the GEMMs, the exponentials, each chunk's probability sum) and three loops do the
+rest (`decode_logits` before the exponentials, `split_probabilities` and `decode_outputs` after
+them), each float32 operation as the operators do it, in the same order (no fused multiply-add:
 numba without `fastmath` neither contracts nor reorders).
 
-Both loops take a sequence's chunks in two parts, its ring slots (W of them, whole chunks) and its
+The loops take a sequence's chunks in two parts, its ring slots (W of them, whole chunks) and its
 entries (K, whole chunks), each part's products computed by torch on keys as they lie.
 """
 
