@@ -23,6 +23,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from dsv41.kernels.cpu_loops import bf16_high_bits
+
 SCALE_BLOCK = 32  # channels per E8M0 scale byte
 _ABSENT = -100_000  # the exponent range of values that are all zero
 
@@ -83,17 +85,11 @@ def scale_bounds(q: np.ndarray, weights: np.ndarray, dim_blocks: int, bounds: np
 TILE = 64  # keys unpacked per pass, then scored together (16 to 128 measured the same)
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _bf16_high_bits(word: np.uint32) -> np.uint32:
-    """The bf16 nearest (ties to even) to the finite float32 with bits `word`, as its 16 bits."""
-    return (word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-
-
 @numba.njit(cache=True, nogil=True)
 def _round_to_bf16(words: np.ndarray) -> None:
     """float32 bits [n] rounded to the nearest bf16 (ties to even) in place, low half zero."""
     for i in range(words.shape[0]):
-        words[i] = _bf16_high_bits(words[i]) << np.uint32(16)
+        words[i] = bf16_high_bits(words[i]) << np.uint32(16)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
@@ -174,6 +170,6 @@ def packed_index_scores(q: np.ndarray, weights: np.ndarray, bounds: np.ndarray, 
                 magnitude = total_words[t] & np.uint32(0x7FFFFFFF)
                 if (largest[t] - smallest[t] <= gap and smallest[t] >= least and largest[t] <= most
                         and (magnitude == 0 or magnitude >= np.uint32(0x00800000))):  # not subnormal
-                    out[i, start + t] = np.uint16(_bf16_high_bits(total_words[t]))
+                    out[i, start + t] = np.uint16(bf16_high_bits(total_words[t]))
                 else:
                     unsure[i, start + t] = 1

@@ -299,6 +299,12 @@ def runs_block_scaled_rows(a: np.ndarray, a_scale: np.ndarray, w_t: np.ndarray, 
         start = end
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def bf16_high_bits(word: np.uint32) -> np.uint32:
+    """The bf16 nearest (ties to even) to the finite float32 with bits `word`, as its 16 bits."""
+    return (word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+
+
 @numba.njit(cache=True, nogil=True)
 def round_to_bf16(values: np.ndarray) -> None:
     """float32 values [n] rounded in place to the nearest bf16 (ties to even), as torch converts
@@ -309,9 +315,7 @@ def round_to_bf16(values: np.ndarray) -> None:
         if values[i] != values[i]:
             words[i] = np.uint32(0x7FC00000)
         else:
-            word = words[i]
-            words[i] = ((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1)))
-                        >> np.uint32(16)) << np.uint32(16)
+            words[i] = bf16_high_bits(words[i]) << np.uint32(16)
 
 
 
