@@ -1,6 +1,6 @@
-"""The compiled decode attention (`dsv41/kernels/cpu_decode.py`, `torch_ops._compiled_decode`)
-against the operators it stands in for: the same bits for every output, whether the loops compute
-it or hand the call back."""
+"""The compiled attention loops (`dsv41/kernels/cpu_decode.py`: `torch_ops._compiled_decode` for a
+decode step, `torch_ops._compiled_passes` for a prefill) against the operators they stand in for:
+the same bits for every output, whether the loops compute it or hand the call back."""
 
 from __future__ import annotations
 
@@ -78,6 +78,38 @@ def test_compiled_decode_gives_the_operators_bits(rng, threads, monkeypatch):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_passes_give_the_operators_bits(rng, threads, monkeypatch):
+    """A prefill's attention (several queries per sequence) in compiled passes of a few queries:
+    1 to 3 sequences of 2 to 13 queries, tables of any width (padded to whole chunks), early
+    queries that see only part of a chunk or none of one, a sequence's own keys or one pool for
+    all; every output has the operators' bits, and the loops produced most of them."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        verdicts = _counting_outputs(monkeypatch)
+        for trial in range(16):
+            b, m = int(torch.randint(1, 4, (), generator=rng)), int(torch.randint(2, 14, (), generator=rng))
+            h, d = [(4, 512), (8, 64)][trial % 2]
+            width = int(torch.randint(1, 400, (), generator=rng))
+            q = (torch.randn(b, m, h, d, generator=rng) * float(torch.rand((), generator=rng) * 3 + 0.1)).bfloat16()
+            kv = torch.randn(1 if trial % 3 == 0 else b, 500, d, generator=rng).bfloat16()
+            idx = torch.randint(0, 500, (b, m, width), generator=rng).int()
+            seen = torch.randint(0, width + 1, (b, m, 1), generator=rng)
+            idx = torch.where(torch.arange(width) < seen, idx, -1)
+            sink = torch.randn(h, generator=rng)
+            with torch.inference_mode():
+                assert torch_ops._compiled_passes_serve(q, idx)
+                got = torch_ops.sparse_attention(q, kv, sink, idx, d**-0.5)
+                with monkeypatch.context() as patch:
+                    patch.setattr(torch_ops, "_compiled_passes_serve", lambda *_: False)
+                    want = torch_ops.sparse_attention(q, kv, sink, idx, d**-0.5)
+            assert torch.equal(_bits(got), _bits(want)), trial
+        assert verdicts and sum(verdicts) >= len(verdicts) // 2
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_top_k_entries_read_from_the_step_table_give_the_same_bits(rng, monkeypatch):
     """The layers after the first that read a group's entries take them from the step's table:
     their outputs are the operators' too."""
@@ -98,7 +130,9 @@ def test_zero_outputs_beside_unused_entries_go_to_the_operators(rng, monkeypatch
     verdicts = _counting_outputs(monkeypatch)
     for unused in (True, False):
         q, ring, slots, main, topk, sink = _step_inputs(rng, 1, 128, 256, pool=512, zero_channels=8)
-        if not unused:
+        if unused:
+            topk[0, -1] = -1  # the draw may leave every slot used
+        else:
             topk = torch.randperm(512, generator=rng)[:256].int()[None]
         with torch.inference_mode():
             want = _with_operators(monkeypatch, (q, ring, slots, main, topk, sink), 512**-0.5)

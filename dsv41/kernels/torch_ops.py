@@ -45,17 +45,58 @@ def sparse_attention(
 
 def _gathered_keys_attention(q, kv, sink, idx, scale: float) -> torch.Tensor:
     """The reference order: each query multiplies its own gathered keys (kv fp32)."""
+    if idx.size(-1) % ATTENTION_CHUNK:  # whole chunks: a sum over a short last chunk has other bits
+        idx = F.pad(idx, (0, -idx.size(-1) % ATTENTION_CHUNK), value=-1)
+    if _compiled_passes_serve(q, idx):
+        return _compiled_passes(q, kv, sink, idx, scale)
+    return _operator_passes(q, kv, sink, idx, scale)
+
+
+def _operator_passes(q, kv, sink, idx, scale: float) -> torch.Tensor:
+    """The operators' walk, a block of queries per pass (idx in whole chunks)."""
     b, m, h, d = q.shape
     block = query_block(d)
     if m > block:  # each query's result is its own: blocks of queries keep the gathered keys in cache
-        return torch.cat([_gathered_keys_attention(q[:, s : s + block], kv, sink, idx[:, s : s + block], scale)
+        return torch.cat([_operator_passes(q[:, s : s + block], kv, sink, idx[:, s : s + block], scale)
                           for s in range(0, m, block)], dim=1)
-    if idx.size(-1) % ATTENTION_CHUNK:  # whole chunks: a sum over a short last chunk has other bits
-        idx = F.pad(idx, (0, -idx.size(-1) % ATTENTION_CHUNK), value=-1)
     if (not numerics.is_stable() and 0 < b * m * idx.size(-1) * h <= CHUNKS_AT_ONCE_LIMIT
             and _chunks_at_once_keep_bits(h, d, torch.get_num_threads())):
         return _chunks_at_once(q, kv, sink, idx, scale)
     return _chunk_by_chunk(q, kv, sink, idx, scale)
+
+
+COMPILED_PASS_QUERIES = 8  # queries (of all sequences) per pass of _compiled_passes (best of 1-8 on `mini`)
+
+
+def _compiled_passes_serve(q: torch.Tensor, idx: torch.Tensor) -> bool:
+    """Whether `_compiled_passes` stands in for the operators: a prefill (several queries) where
+    `_chunks_at_once` may run on one query of every sequence (`_compiled_decode_serves`' terms)."""
+    b, m, h, d = q.shape
+    return (m > 1 and not numerics.is_stable() and cpu_loops.serves(q)
+            and 0 < b * h * idx.size(-1) <= CHUNKS_AT_ONCE_LIMIT
+            and _chunks_at_once_keep_bits(h, d, torch.get_num_threads()))
+
+
+def _compiled_passes(q, kv, sink, idx, scale: float) -> torch.Tensor:
+    """`sparse_attention` of a prefill in passes of a few queries through `_compiled_chunks`: the
+    operators' bits, a dozen calls a pass instead of about fifteen a chunk of 64 keys. A pass's
+    gathered keys (1.3 MB a query on `mini`) stay in cache between its two GEMMs. A pass the loops
+    hand back is computed by the operators."""
+    b, m, h, d = q.shape
+    k = idx.size(-1)
+    step = max(1, min(COMPILED_PASS_QUERIES, CHUNKS_AT_ONCE_LIMIT // (h * k)) // b)  # a pass within the limit
+    qf = q.float()
+    outs = []
+    for s in range(0, m, step):
+        ids = idx[:, s : s + step]
+        n = ids.size(1)
+        keys = gather_rows(kv, ids.reshape(b, n * k)).view(b * n, k, d)
+        flat = ids.reshape(b * n, k)
+        out = _compiled_chunks(qf[:, s : s + n].reshape(b * n, h, d), keys[:, :0], flat[:, :0], keys, flat, sink,
+                               scale)
+        outs.append(out.view(b, n, h, d) if out is not None
+                    else _operator_passes(q[:, s : s + n], kv, sink, ids, scale))
+    return torch.cat(outs, dim=1)
 
 
 def _chunk_by_chunk(q, kv, sink, idx, scale: float) -> torch.Tensor:
@@ -354,37 +395,46 @@ def _compiled_decode(q, ring, slots, entries, topk, sink, scale: float) -> torch
     """`sparse_attention` of one decode token per sequence (q [b, h, d] bf16) over its ring slots
     (ring [b, W, bytes], slots [b, W]) and Top-k entries (entries [b, K, d] fp32, topk [b, K]), with
     `_chunks_at_once`' bits and a third of its operator calls: the same GEMMs, on the ring's rows
-    in slot order and on the entries where they lie (no gathered table of both), the same
-    exponentials and sums, and the softmax's bookkeeping in compiled loops (`cpu_decode`). None
-    where a loop cannot vouch for the bits (the operators then take the call)."""
-    b, h, d = q.shape
+    in slot order and on the entries where they lie (no gathered table of both). None where a loop
+    cannot vouch for the bits (the operators then take the call)."""
+    d = q.size(-1)
+    window = unpack_rows(gather_rows(ring, slots), swa_format(d), torch.float32)  # the rows the operators gather
+    return _compiled_chunks(q.float(), window, slots, entries, topk, sink, scale)
+
+
+def _compiled_chunks(qf, window, slots, entries, topk, sink, scale: float) -> torch.Tensor | None:
+    """`_chunks_at_once` for n queries of h heads (qf [n, h, d] fp32) over two key tables in whole
+    chunks, window [n, W, d] with slots [n, W] and entries [n, K, d] with topk [n, K] (fp32 keys,
+    -1 marks an unused slot): the GEMMs, exponentials and sums by torch, the softmax's bookkeeping
+    in compiled loops (`cpu_decode`). bf16 [n, h, d], or None where a loop cannot vouch for the bits."""
+    n, h, d = qf.shape
     w, k = slots.size(1), topk.size(1)
     window_chunks, chunks = w // ATTENTION_CHUNK, (w + k) // ATTENTION_CHUNK
-    window = unpack_rows(gather_rows(ring, slots), swa_format(d), torch.float32)  # the rows the operators gather
-    qf = q.float()
-    window_keys = window.view(-1, ATTENTION_CHUNK, d)
+    window_keys = window.reshape(-1, ATTENTION_CHUNK, d)
     entry_keys = entries.reshape(-1, ATTENTION_CHUNK, d)
     slots_np, topk_np = slots.long().contiguous().numpy(), topk.long().contiguous().numpy()
-    run = b * h * ATTENTION_CHUNK
+    run = n * h * ATTENTION_CHUNK
     f32 = torch.float32  # not the default dtype, which a caller may have set to bf16
     prob_args = torch.empty(chunks, run + 1, dtype=f32)  # each chunk's run a gap apart, as the operators'
-    rescale_args = torch.empty(chunks, b * h + 1, dtype=f32)
-    last_running = torch.empty(b, h, dtype=f32)
-    entry_dots = _chunk_dots(qf, entry_keys) if k else torch.empty(b, 0, h, ATTENTION_CHUNK, dtype=f32)
-    if not cpu_decode.decode_logits(_chunk_dots(qf, window_keys).numpy(), entry_dots.numpy(), slots_np, topk_np,
+    rescale_args = torch.empty(chunks, n * h + 1, dtype=f32)
+    last_running = torch.empty(n, h, dtype=f32)
+    window_dots = _chunk_dots(qf, window_keys) if w else torch.empty(n, 0, h, ATTENTION_CHUNK, dtype=f32)
+    entry_dots = _chunk_dots(qf, entry_keys) if k else torch.empty(n, 0, h, ATTENTION_CHUNK, dtype=f32)
+    if not cpu_decode.decode_logits(window_dots.numpy(), entry_dots.numpy(), slots_np, topk_np,
                                     scale, prob_args.numpy(), rescale_args.numpy(), last_running.numpy()):
         return None
     # each chunk's exponentials as a run of its own, as numerics.elementwise_runs lays them out
-    probs = torch.exp(prob_args[:, :run]).view(chunks, b, h, ATTENTION_CHUNK)
-    rescale = torch.exp(rescale_args[:, : b * h]).view(chunks, b, h)
+    probs = torch.exp(prob_args[:, :run]).view(chunks, n, h, ATTENTION_CHUNK)
+    rescale = torch.exp(rescale_args[:, : n * h]).view(chunks, n, h)
     sums = probs.sum(dim=-1)
     sink_term = torch.exp(sink.float() - last_running)
-    window_probs = torch.empty(b, window_chunks, h, ATTENTION_CHUNK, dtype=f32)
-    entry_probs = torch.empty(b, chunks - window_chunks, h, ATTENTION_CHUNK, dtype=f32)
+    window_probs = torch.empty(n, window_chunks, h, ATTENTION_CHUNK, dtype=f32)
+    entry_probs = torch.empty(n, chunks - window_chunks, h, ATTENTION_CHUNK, dtype=f32)
     cpu_decode.split_probabilities(probs.numpy(), window_probs.numpy(), entry_probs.numpy())
-    entry_pv = _chunk_pv(entry_probs, entry_keys) if k else torch.empty(b, 0, h, d, dtype=f32)
-    out = torch.empty(b, h, d, dtype=f32)
-    if not cpu_decode.decode_outputs(_chunk_pv(window_probs, window_keys).numpy(), entry_pv.numpy(), rescale.numpy(),
+    window_pv = _chunk_pv(window_probs, window_keys) if w else torch.empty(n, 0, h, d, dtype=f32)
+    entry_pv = _chunk_pv(entry_probs, entry_keys) if k else torch.empty(n, 0, h, d, dtype=f32)
+    out = torch.empty(n, h, d, dtype=f32)
+    if not cpu_decode.decode_outputs(window_pv.numpy(), entry_pv.numpy(), rescale.numpy(),
                                      sums.numpy(), sink_term.numpy(), topk_np, out.numpy()):
         return None
     return out.to(torch.bfloat16)
