@@ -243,7 +243,7 @@ def _decodes_or_refuses(parts: list, accept: frozenset[m.KIND] | None = None) ->
     assert accept is None or kind in accept
     assert message.version == m.PROTOCOL_VERSION
     again, _ = m.decode(_wire(m.encode(message)) + [bytes(t) for t in tensors])
-    assert again == message
+    assert _wire(m.encode(again)) == _wire(m.encode(message))  # bytes: a mutated float may decode to NaN
     return message
 
 
