@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from dsv41.storage.store import GlobalKVStore, StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
@@ -58,13 +60,15 @@ def _batches_present(store: GlobalKVStore) -> dict[int, int]:
     return counts
 
 
-def test_writer_killed_at_random_points_loses_nothing_acknowledged(tmp_path):
-    path, rng, next_batch, acked = str(tmp_path / "store"), random.Random(), 0, set()
+def test_writer_killed_at_random_points_loses_nothing_acknowledged(tmp_path, rng):
+    # the kill points and the batches checked follow the test seed, so a failure can be repeated
+    path, next_batch, acked = str(tmp_path / "store"), 0, set()
+    chance = random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
     for _ in range(CRASH_ROUNDS):
         worker = Worker("write", path, str(next_batch), "1000000")
         try:
-            worker.wait_for(rng.randint(0, 2), "ack ")
-            time.sleep(rng.random() * 0.02)  # die anywhere, often inside a write transaction
+            worker.wait_for(chance.randint(0, 2), "ack ")
+            time.sleep(chance.random() * 0.02)  # die anywhere, often inside a write transaction
         finally:
             worker.kill()
         acked.update(worker.acked())
@@ -75,7 +79,7 @@ def test_writer_killed_at_random_points_loses_nothing_acknowledged(tmp_path):
             assert all(count == store_worker.BATCH for count in present.values()), "a partial batch is visible"
             assert acked <= set(present), f"acknowledged batches lost: {sorted(acked - set(present))[:5]}"
             with store.reader() as r:
-                for batch in rng.sample(sorted(present), min(3, len(present))):
+                for batch in chance.sample(sorted(present), min(3, len(present))):
                     for i, k in enumerate(store_worker.batch_keys(batch)):
                         assert r.get(k) == store_worker.payload(batch, i)
             next_batch = max(present, default=-1) + 1
