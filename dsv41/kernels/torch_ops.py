@@ -362,6 +362,11 @@ def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float, tabl
     step's dequantized Top-k entries by `key`, for the layers that read the same ones (a group's
     Reuse layers after its Full layer): the first unpacks them, the others take its table."""
     d = q.size(-1)
+    # whole chunks of entry slots, as sparse_attention pads its table (the ring's W slots are whole
+    # chunks): a table the official width cut short (fewer entries than Top-k visible, and every
+    # layer that reads all of a short context's entries) then takes the compiled loops too
+    if topk.size(1) % ATTENTION_CHUNK:
+        topk = F.pad(topk, (0, -topk.size(1) % ATTENTION_CHUNK), value=-1)
     # unpacked straight to fp32, what sparse_attention computes in: a code times its scale is exact
     # in bf16 and fp32 alike, so this skips rounding to bf16 and converting back (same values)
     entries = None if tables is None else tables.get(key)
