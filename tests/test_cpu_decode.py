@@ -84,20 +84,23 @@ def test_compiled_decode_gives_the_operators_bits(rng, threads, monkeypatch):
 def test_prefill_passes_give_the_operators_bits(rng, threads, monkeypatch):
     """A prefill's attention (several queries per sequence) in compiled passes of a few queries:
     1 to 3 sequences of 2 to 13 queries, tables of any width (padded to whole chunks), early
-    queries that see only part of a chunk or none of one, a sequence's own keys or one pool for
-    all; every output has the operators' bits, and the loops produced most of them."""
+    queries that see only part of a chunk or none of one (in some trials every query of a pass
+    sees under a third of the table, so passes are cut short), a sequence's own keys or one pool
+    for all; every output has the operators' bits, and the loops produced most of them."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         verdicts = _counting_outputs(monkeypatch)
+        cut = _recording_pass_widths(monkeypatch)
         for trial in range(16):
             b, m = int(torch.randint(1, 4, (), generator=rng)), int(torch.randint(2, 14, (), generator=rng))
             h, d = [(4, 512), (8, 64)][trial % 2]
-            width = int(torch.randint(1, 400, (), generator=rng))
+            short = trial % 4 >= 2
+            width = int(torch.randint(200 if short else 1, 400, (), generator=rng))
             q = (torch.randn(b, m, h, d, generator=rng) * float(torch.rand((), generator=rng) * 3 + 0.1)).bfloat16()
             kv = torch.randn(1 if trial % 3 == 0 else b, 500, d, generator=rng).bfloat16()
             idx = torch.randint(0, 500, (b, m, width), generator=rng).int()
-            seen = torch.randint(0, width + 1, (b, m, 1), generator=rng)
+            seen = torch.randint(0, (width // 3 if short else width) + 1, (b, m, 1), generator=rng)
             idx = torch.where(torch.arange(width) < seen, idx, -1)
             sink = torch.randn(h, generator=rng)
             with torch.inference_mode():
@@ -108,8 +111,61 @@ def test_prefill_passes_give_the_operators_bits(rng, threads, monkeypatch):
                     want = torch_ops.sparse_attention(q, kv, sink, idx, d**-0.5)
             assert torch.equal(_bits(got), _bits(want)), trial
         assert verdicts and sum(verdicts) >= len(verdicts) // 2
+        assert any(width < full for full, widths in cut for width in widths), "no pass was cut short"
     finally:
         torch.set_num_threads(previous)
+
+
+def _recording_pass_widths(monkeypatch) -> list[tuple[int, list[int]]]:
+    """Records each call's full table width and the widths `_pass_widths` gave its passes."""
+    calls: list[tuple[int, list[int]]] = []
+    widths = torch_ops._pass_widths
+
+    def recorded(kv, idx, step):
+        calls.append((idx.size(-1), widths(kv, idx, step)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(torch_ops, "_pass_widths", recorded)
+    return calls
+
+
+def _cut_prefill(rng, seen: torch.Tensor, zero_channels: int = 0):
+    """Two sequences of 9 queries over 500 keys, each seeing `seen` [2, 9, 1] of a 300-slot table."""
+    q = torch.randn(2, 9, 4, 512, generator=rng).bfloat16()
+    kv = torch.randn(2, 500, 512, generator=rng).bfloat16()
+    kv[..., :zero_channels] = 0
+    idx = torch.randint(1, 500, (2, 9, 300), generator=rng).int()
+    return q, kv, torch.randn(4, generator=rng), torch.where(torch.arange(300) < seen, idx, -1)
+
+
+def test_cut_passes_hand_zero_outputs_to_the_operators(rng, monkeypatch):
+    """A pass cut short at unused chunks hands a zero output back, as a decode step beside unused
+    slots does (the cut chunks would have added a zero of either sign), even where the chunk it
+    keeps has every slot used: the operators' bits."""
+    verdicts, cut = _counting_outputs(monkeypatch), _recording_pass_widths(monkeypatch)
+    q, kv, sink, idx = _cut_prefill(rng, torch.full((2, 9, 1), 64), zero_channels=8)
+    with torch.inference_mode():
+        got = torch_ops.sparse_attention(q, kv, sink, idx, 512**-0.5)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch_ops, "_compiled_passes_serve", lambda *_: False)
+            want = torch_ops.sparse_attention(q, kv, sink, idx, 512**-0.5)
+    assert torch.equal(_bits(got), _bits(want)) and (want[..., :8] == 0).all()
+    assert cut and all(width == 64 for width in cut[0][1]) and verdicts and not any(verdicts)
+
+
+def test_a_non_finite_first_key_keeps_the_full_width(rng, monkeypatch):
+    """Unused slots read the table's first row: where it is not finite (0 x inf is NaN in the
+    operators' products) no pass is cut, and the outputs keep the operators' bits, NaNs included."""
+    cut = _recording_pass_widths(monkeypatch)
+    q, kv, sink, idx = _cut_prefill(rng, torch.randint(1, 41, (2, 9, 1), generator=rng))
+    kv[1, 0, 3] = float("inf")
+    with torch.inference_mode():
+        got = torch_ops.sparse_attention(q, kv, sink, idx, 512**-0.5)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch_ops, "_compiled_passes_serve", lambda *_: False)
+            want = torch_ops.sparse_attention(q, kv, sink, idx, 512**-0.5)
+    assert torch.equal(_bits(got), _bits(want)) and want[1].isnan().any()
+    assert cut and all(width == 320 for width in cut[0][1])
 
 
 def test_top_k_entries_read_from_the_step_table_give_the_same_bits(rng, monkeypatch):

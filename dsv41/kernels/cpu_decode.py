@@ -86,7 +86,7 @@ def split_probabilities(probs: np.ndarray, window_probs: np.ndarray, entry_probs
 
 @numba.njit(cache=True, nogil=True)
 def decode_outputs(window_pv: np.ndarray, entry_pv: np.ndarray, rescale: np.ndarray, sums: np.ndarray,
-                   sink_term: np.ndarray, topk: np.ndarray, out: np.ndarray) -> bool:
+                   sink_term: np.ndarray, topk: np.ndarray, cut: bool, out: np.ndarray) -> bool:
     """The online softmax's output: window_pv [n, W/64, h, d] and entry_pv [n, K/64, h, d] (each
     chunk's P.V GEMM), rescale [chunks, n, h] and sums [chunks, n, h] (torch's exp and sums),
     sink_term [n, h] (exp(sink - last running maximum)). From zeros, chunk after chunk: output =
@@ -94,8 +94,9 @@ def decode_outputs(window_pv: np.ndarray, entry_pv: np.ndarray, rescale: np.ndar
     add); then the sink term added to the denominator, and out [n, h, d] float32 gets output /
     denominator rounded to bf16.
 
-    False (out unfinished) where a sequence with unused entry slots (topk [n, K], -1) has an output
-    before the division that is zero or not finite. Only there can such a slot change a bit: the
+    False (out unfinished) where a sequence with unused entry slots (topk [n, K], -1, or every
+    sequence where `cut`: the table was cut from a wider one, whose cut slots were unused) has an
+    output before the division that is zero or not finite. Only there can such a slot change a bit: the
     operators' gather reads the ring's first row for it, the entry GEMM here the entry table's
     row, both times a probability of 0; a finite row adds a zero of either sign, which leaves every
     nonzero sum as it is."""
@@ -103,7 +104,7 @@ def decode_outputs(window_pv: np.ndarray, entry_pv: np.ndarray, rescale: np.ndar
     chunks = rescale.shape[0]
     acc = np.empty(dim, np.float32)
     for s in range(n):
-        unused = False
+        unused = cut
         for j in range(topk.shape[1]):
             unused |= topk[s, j] < 0
         for h in range(heads):
