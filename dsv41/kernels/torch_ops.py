@@ -4,6 +4,8 @@ CPU they reproduce the fake-quantized reference bit for bit."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -79,21 +81,22 @@ def _compiled_passes_serve(q: torch.Tensor, idx: torch.Tensor) -> bool:
 
 def _compiled_passes(q, kv, sink, idx, scale: float) -> torch.Tensor:
     """`sparse_attention` of a prefill in passes of a few queries through `_compiled_chunks`: the
-    operators' bits, a dozen calls a pass instead of about fifteen a chunk of 64 keys. A pass's
-    gathered keys (1.3 MB a query on `mini`) stay in cache between its two GEMMs. A pass the loops
-    hand back is computed by the operators."""
+    operators' bits, a dozen calls a pass instead of about fifteen a chunk of 64 keys. Each query's
+    keys are gathered just before each of its two GEMMs (`KeysByQuery`), into a table that stays in
+    the L2 (1.3 MB on `mini`). A pass the loops hand back is computed by the operators."""
     b, m, h, d = q.shape
     step = max(1, min(COMPILED_PASS_QUERIES, CHUNKS_AT_ONCE_LIMIT // (h * idx.size(-1))) // b)  # within the limit
     widths = _pass_widths(kv, idx, step)
+    rows, picked = flat_rows(kv, idx)
     qf = q.float()
     outs = []
     for s, k in zip(range(0, m, step), widths, strict=True):
         ids = idx[:, s : s + step, :k]
         n = ids.size(1)
-        keys = gather_rows(kv, ids.reshape(b, n * k)).view(b * n, k, d)
         flat = ids.reshape(b * n, k)
-        out = _compiled_chunks(qf[:, s : s + n].reshape(b * n, h, d), keys[:, :0], flat[:, :0], keys, flat, sink,
-                               scale, cut=k < idx.size(-1))
+        keys = KeysByQuery(rows, picked[:, s : s + n, :k].reshape(b * n, k))
+        out = _compiled_chunks(qf[:, s : s + n].reshape(b * n, h, d), qf.new_empty(b * n, 0, d), flat[:, :0], keys,
+                               flat, sink, scale, cut=k < idx.size(-1))
         outs.append(out.view(b, n, h, d) if out is not None
                     else _operator_passes(q[:, s : s + n], kv, sink, idx[:, s : s + n], scale))
     return torch.cat(outs, dim=1)
@@ -177,18 +180,22 @@ def _chunks_at_once(q, kv, sink, idx, scale: float) -> torch.Tensor:
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16).view(b, m, h, d)
 
 
-def _chunk_dots(qf: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """qf [n, h, d] . keys [n * chunks, 64, d] -> [n, chunks, h, 64], one matrix per chunk."""
+def _chunk_dots(qf: torch.Tensor, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qf [n, h, d] . keys [n * chunks, 64, d] -> [n, chunks, h, 64] (into `out` when given, a
+    contiguous tensor of that shape), one matrix per chunk."""
     n, h, d = qf.shape
     chunks = keys.size(0) // n
-    return torch.bmm(qf.unsqueeze(1).expand(n, chunks, h, d).reshape(-1, h, d), keys.transpose(1, 2)).view(
-        n, chunks, h, -1)
+    flat_out = None if out is None else out.view(n * chunks, h, -1)
+    return torch.bmm(qf.unsqueeze(1).expand(n, chunks, h, d).reshape(-1, h, d), keys.transpose(1, 2),
+                     out=flat_out).view(n, chunks, h, -1)
 
 
-def _chunk_pv(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """probs [n, chunks, h, 64] @ keys [n * chunks, 64, d] -> [n, chunks, h, d], one matrix per chunk."""
+def _chunk_pv(probs: torch.Tensor, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """probs [n, chunks, h, 64] @ keys [n * chunks, 64, d] -> [n, chunks, h, d] (into `out` when
+    given, a contiguous tensor of that shape), one matrix per chunk."""
     n, chunks, h, k = probs.shape
-    return torch.bmm(probs.reshape(n * chunks, h, k), keys).view(n, chunks, h, -1)
+    flat_out = None if out is None else out.view(n * chunks, h, -1)
+    return torch.bmm(probs.reshape(n * chunks, h, k), keys, out=flat_out).view(n, chunks, h, -1)
 
 
 @functools.cache
@@ -365,14 +372,22 @@ def gather_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """rows [b, n, ...] picked by ids [b, k] (-1 reads row 0; callers mask it) -> [b, k, ...]; rows
     [1, n, ...] (a page pool), or expanded from it, serve every sequence. One index_select over the
     flattened rows: advanced indexing by (batch, id) pairs takes about 10x longer on the CPU."""
+    flat, picked = flat_rows(rows, ids)
+    return flat.index_select(0, picked.flatten()).view(*ids.shape, *rows.shape[2:])
+
+
+def flat_rows(rows: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gather_rows`' operands: rows [b, n, ...] as one table [R, ...] and ids [b, ...] as row
+    numbers in it (int64; -1 reads its sequence's row 0)."""
     if rows.size(0) not in (1, ids.size(0)):
         raise ValueError(f"rows of {rows.size(0)} sequences cannot serve ids of {ids.size(0)}")
     if rows.stride(0) == 0:  # one pool expanded over the batch: flattening would copy it per sequence
         rows = rows[:1]
     picked = ids.long().clamp(min=0)
     if rows.size(0) > 1:
-        picked = picked + torch.arange(ids.size(0), device=ids.device).unsqueeze(-1) * rows.size(1)
-    return rows.flatten(0, 1).index_select(0, picked.flatten()).view(*ids.shape, *rows.shape[2:])
+        sequence = torch.arange(ids.size(0), device=ids.device).view(-1, *[1] * (ids.dim() - 1))
+        picked = picked + sequence * rows.size(1)
+    return rows.flatten(0, 1), picked
 
 
 def sparse_attention_decode(q, ring, slots, main, topk, sink, scale: float, tables: dict | None = None,
@@ -429,15 +444,14 @@ def _compiled_decode(q, ring, slots, entries, topk, sink, scale: float) -> torch
 
 def _compiled_chunks(qf, window, slots, entries, topk, sink, scale: float, cut: bool = False) -> torch.Tensor | None:
     """`_chunks_at_once` for n queries of h heads (qf [n, h, d] fp32) over two key tables in whole
-    chunks, window [n, W, d] with slots [n, W] and entries [n, K, d] with topk [n, K] (fp32 keys,
-    -1 marks an unused slot; `cut`: the entries were cut from a wider table at unused chunks): the
+    chunks, window [n, W, d] with slots [n, W] and entries [n, K, d] (or `KeysByQuery`) with topk
+    [n, K] (fp32 keys, -1 marks an unused slot; `cut`: the entries were cut from a wider table at unused chunks): the
     GEMMs, exponentials and sums by torch, the softmax's bookkeeping in compiled loops
     (`cpu_decode`). bf16 [n, h, d], or None where a loop cannot vouch for the bits."""
     n, h, d = qf.shape
     w, k = slots.size(1), topk.size(1)
     window_chunks, chunks = w // ATTENTION_CHUNK, (w + k) // ATTENTION_CHUNK
     window_keys = window.reshape(-1, ATTENTION_CHUNK, d)
-    entry_keys = entries.reshape(-1, ATTENTION_CHUNK, d)
     slots_np, topk_np = slots.long().contiguous().numpy(), topk.long().contiguous().numpy()
     run = n * h * ATTENTION_CHUNK
     f32 = torch.float32  # not the default dtype, which a caller may have set to bf16
@@ -445,7 +459,7 @@ def _compiled_chunks(qf, window, slots, entries, topk, sink, scale: float, cut: 
     rescale_args = torch.empty(chunks, n * h + 1, dtype=f32)
     last_running = torch.empty(n, h, dtype=f32)
     window_dots = _chunk_dots(qf, window_keys) if w else torch.empty(n, 0, h, ATTENTION_CHUNK, dtype=f32)
-    entry_dots = _chunk_dots(qf, entry_keys) if k else torch.empty(n, 0, h, ATTENTION_CHUNK, dtype=f32)
+    entry_dots = _entry_dots(qf, entries) if k else torch.empty(n, 0, h, ATTENTION_CHUNK, dtype=f32)
     if not cpu_decode.decode_logits(window_dots.numpy(), entry_dots.numpy(), slots_np, topk_np,
                                     scale, prob_args.numpy(), rescale_args.numpy(), last_running.numpy()):
         return None
@@ -458,12 +472,51 @@ def _compiled_chunks(qf, window, slots, entries, topk, sink, scale: float, cut: 
     entry_probs = torch.empty(n, chunks - window_chunks, h, ATTENTION_CHUNK, dtype=f32)
     cpu_decode.split_probabilities(probs.numpy(), window_probs.numpy(), entry_probs.numpy())
     window_pv = _chunk_pv(window_probs, window_keys) if w else torch.empty(n, 0, h, d, dtype=f32)
-    entry_pv = _chunk_pv(entry_probs, entry_keys) if k else torch.empty(n, 0, h, d, dtype=f32)
+    entry_pv = _entry_pv(entry_probs, entries) if k else torch.empty(n, 0, h, d, dtype=f32)
     out = torch.empty(n, h, d, dtype=f32)
     if not cpu_decode.decode_outputs(window_pv.numpy(), entry_pv.numpy(), rescale.numpy(),
                                      sums.numpy(), sink_term.numpy(), topk_np, cut, out.numpy()):
         return None
     return out.to(torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class KeysByQuery:
+    """Each query's entry keys as row numbers into one table (rows [R, d] fp32, ids [n, K] int64,
+    `flat_rows`), gathered one query at a time just before a GEMM reads them: a prefill pass's
+    queries' keys together (10.5 MB for eight on `mini`) leave the L2 before their second GEMM."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+
+    def each_query(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(query, its keys [K / 64, 64, d]) in turn, in one reused table."""
+        table = self.rows.new_empty(self.ids.size(1), self.rows.size(-1))
+        for i in range(self.ids.size(0)):
+            torch.index_select(self.rows, 0, self.ids[i], out=table)
+            yield i, table.view(-1, ATTENTION_CHUNK, table.size(-1))
+
+
+def _entry_dots(qf: torch.Tensor, entries: torch.Tensor | KeysByQuery) -> torch.Tensor:
+    """`_chunk_dots` of queries qf [n, h, d] with their entries -> [n, K / 64, h, 64]."""
+    n, h, d = qf.shape
+    if isinstance(entries, torch.Tensor):
+        return _chunk_dots(qf, entries.reshape(-1, ATTENTION_CHUNK, d))
+    out = qf.new_empty(n, entries.ids.size(1) // ATTENTION_CHUNK, h, ATTENTION_CHUNK)
+    for i, keys in entries.each_query():
+        _chunk_dots(qf[i : i + 1], keys, out[i : i + 1])
+    return out
+
+
+def _entry_pv(probs: torch.Tensor, entries: torch.Tensor | KeysByQuery) -> torch.Tensor:
+    """`_chunk_pv` of probabilities [n, K / 64, h, 64] with their queries' entries -> [n, K / 64, h, d]."""
+    n, chunks, h, _ = probs.shape
+    if isinstance(entries, torch.Tensor):
+        return _chunk_pv(probs, entries.reshape(-1, ATTENTION_CHUNK, entries.size(-1)))
+    out = probs.new_empty(n, chunks, h, entries.rows.size(-1))
+    for i, keys in entries.each_query():
+        _chunk_pv(probs[i : i + 1], keys, out[i : i + 1])
+    return out
 
 
 def index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
