@@ -112,9 +112,8 @@ def _pass_widths(kv: torch.Tensor, idx: torch.Tensor, step: int) -> list[int]:
     table whose first row is not finite keeps its full width. A prefill's early queries see fewer
     entries than the table holds: at 2K tokens on `mini` a pass reads 8 % fewer chunks."""
     b, m, k = idx.shape
-    full = [k] * len(range(0, m, step))
     if not bool(kv[:, 0].isfinite().all()):
-        return full
+        return [k] * len(range(0, m, step))
     last = torch.where(idx >= 0, torch.arange(k, dtype=idx.dtype), -1).amax(dim=(0, 2))  # [m]
     if m % step:
         last = F.pad(last, (0, step - m % step), value=-1)
