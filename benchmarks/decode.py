@@ -12,11 +12,13 @@ larger of the two floors is what a step could take at best on this machine, and 
 printed beside it. The KV the synthetic cache holds is reported as it is stored: packed global
 entries per token, the page pools' reserved bytes, and the SWA rings. Then a batch of sequences
 of different lengths steps one token each, as one batch (projections, MoE and the attention
-kernel once over the batch) and one by one. `--config` takes a built-in name or any
-official-format config.json (random weights).
+kernel once over the batch) and one by one. `--verify K` also times a step of K tokens at each
+context, the size of a DSpark verification (a draft of K - 1 tokens and the token before it),
+beside the one-token step. `--config` takes a built-in name or any official-format config.json
+(random weights).
 Writes benchmarks/results/decode.json (or --out).
 Usage: python benchmarks/decode.py [--config mini] [--contexts 4096 16384 65536] [--steps 3]
-       [--batch 4 --batch-context 8192] [--out PATH]
+       [--batch 4 --batch-context 8192] [--verify 4] [--out PATH]
 """
 
 from __future__ import annotations
@@ -129,6 +131,20 @@ def time_layers(model, cache: DecodeCache, steps: int) -> dict[str, float]:
     return by_kind
 
 
+def time_tokens(model, context: int, tokens: int, steps: int) -> float:
+    """Median seconds of a forward of `tokens` tokens over a synthetic cache of `context` tokens."""
+    cache = synthetic_cache(model, context, (steps + 1) * tokens)
+    times = []
+    with torch.inference_mode():
+        for step in range(steps + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            logits = model(torch.arange(tokens).unsqueeze(0) + 5 + step, cache=cache).logits
+            times.append(time.perf_counter() - start)
+    if not logits.isfinite().all():
+        raise RuntimeError("the synthetic cache gave non-finite logits: the timings would not be of real work")
+    return statistics.median(times[1:])
+
+
 def time_batch(model, contexts: list[int], steps: int) -> dict:
     """Median seconds of one decode step of every sequence: batched, and one sequence at a time."""
     core = InferenceCore(model)
@@ -178,6 +194,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences in the batched step (0: skip it)")
     parser.add_argument("--batch-context", type=int, default=8192,
                         help="context of the longest sequence of the batch; the others hold 1/2, 1/4, ...")
+    parser.add_argument("--verify", type=int, default=0,
+                        help="also time a step of this many tokens at each context (a DSpark verification; 0: skip)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
     args = parser.parse_args()
     model = random_model(load_named_config(args.config), seed=0)
@@ -208,6 +226,12 @@ def main() -> None:
               f"{held['swa_ring_bytes'] / 2**20:.2f} MiB")
         for name, seconds in times.items():
             print(f"  {name:<26} {seconds * 1e3:>9.1f} ms  {kv[name] / 2**20:>9.2f} MiB")
+        if args.verify:
+            one = time_tokens(model, context, 1, args.steps)
+            several = time_tokens(model, context, args.verify, args.steps)
+            rows[-1]["verify"] = {"tokens": args.verify, "one_token_s": one, "step_s": several}
+            print(f"  a step of {args.verify} tokens: {several * 1e3:.0f} ms, {several / one:.2f}x a one-token "
+                  f"step ({one * 1e3:.0f} ms, whole model)")
         del cache
     batch = None
     if args.batch:

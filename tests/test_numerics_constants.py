@@ -52,16 +52,34 @@ def test_block_scaled_matmul_adds_the_blocks_in_order_from_plus_zero(rng):
 def test_dots_equal_the_einsum_they_replace(rng, dtype):
     """`numerics.dots` (bmm on a transposed view) gives torch.einsum's bits for index-score shapes:
     MXFP4-rounded bf16 queries and keys, scales far apart, key counts around the GEMM's blockings and
-    between the powers of two they are padded to."""
+    between the powers of two they are padded to, and one sequence's keys split into whole granules
+    and a padded rest (5,000 keys: 4,864 and 136; 33,000: 32,768 and 232)."""
     from dsv41.model.quant import mxfp4_qdq
 
-    shapes = [(1, 4, 1, 128), (1, 4, 118, 32), (1, 4, 257, 128), (2, 32, 1000, 128), (3, 1, 4099, 64)]
+    shapes = [(1, 4, 1, 128), (1, 4, 118, 32), (1, 4, 257, 128), (2, 32, 1000, 128), (3, 1, 4099, 64),
+              (1, 16, 5000, 128), (1, 8, 33000, 128), (1, 4, 4096, 64)]
     for n, heads, keys, dim in shapes:
         spread = torch.exp2(torch.randint(-30, 30, (n, keys, dim), generator=rng).float())
         k = mxfp4_qdq(torch.randn(n, keys, dim, generator=rng) * spread).to(dtype)
         q = mxfp4_qdq(torch.randn(n, heads, dim, generator=rng) * 8).to(dtype)
         got, want = numerics.dots(q, k), torch.einsum("bhd,btd->bht", q, k)
         assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want))
+
+
+def test_index_scores_of_several_tokens_equal_the_reference_einsum(rng):
+    """`Indexer.scores` (a prompt chunk's or a verification's tokens on unpacked keys, their
+    (token, head) rows through `numerics.dots`) gives the bits of the reference's einsum formula."""
+    from dsv41.model.attention import Indexer
+    from dsv41.model.quant import mxfp4_qdq
+
+    for b, s, heads, keys, dim in [(1, 4, 4, 5000, 128), (1, 37, 4, 300, 32), (2, 3, 8, 1000, 64)]:
+        spread = torch.exp2(torch.randint(-20, 20, (b, keys, dim), generator=rng).float())
+        k = mxfp4_qdq(torch.randn(b, keys, dim, generator=rng) * spread).bfloat16()
+        q = mxfp4_qdq(torch.randn(b, s, heads, dim, generator=rng) * 8).bfloat16()
+        weights = torch.randn(b, s, heads, generator=rng).bfloat16()
+        dots = torch.einsum("bshd,btd->bsht", q, k)
+        want = (dots.relu() * weights.unsqueeze(-1)).sum(dim=2)
+        assert torch.equal(_bits(Indexer.scores(q, weights, k)), _bits(want)), (b, s, heads, keys, dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -268,8 +268,12 @@ class Indexer(nn.Module):
 
     @staticmethod
     def scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """[b, s, n_entries] bf16 scores, every step in bf16 as the reference computes them."""
-        dots = numerics.einsum("bshd,btd->bsht", q, keys)
+        """[b, s, n_entries] bf16 scores, every step in bf16 as the reference computes them. The
+        products are `numerics.dots` of every (token, head) row with the keys: einsum's own path for
+        these bf16 operands took 21 ms against 0.75 ms for 4 tokens over 64K keys (a DSpark
+        verification or a prompt chunk on a long cache), with the same bits."""
+        b, s, h, d = q.shape
+        dots = numerics.dots(q.reshape(b, s * h, d), keys).view(b, s, h, keys.size(1))
         return numerics.wide(dots.relu() * weights.unsqueeze(-1)).sum(dim=2).to(dots.dtype)
 
 
