@@ -45,6 +45,13 @@ def test_entries_across_page_boundaries_read_back_as_written(rng, packed):
     ids = torch.tensor([[22, 0, -1, 7, 4]])
     assert torch.equal(a.gather(ids)[:, [0, 1, 3, 4]], a.read(slice(0, 23))[:, [22, 0, 7, 4]])
     assert a.physical(ids)[0, 2] == -1
+    for rows in (slice(6, 13), slice(8, 8), slice(0, 24)):  # a span's rows (broadcast) are the per-id lookup's
+        assert torch.equal(a.raw(rows), a.pool.rows[0, a.physical(torch.arange(rows.start, rows.stop))])
+    stored = b.raw(slice(2, 9))
+    a.put_raw(13, stored)
+    assert torch.equal(a.raw(slice(13, 20)), stored) and torch.equal(a.raw(slice(0, 13)), a.raw(slice(0, 24))[:13])
+    with pytest.raises(IndexError, match="entries up to 25 asked of 24 held"):
+        a.read(slice(20, 25))
     with pytest.raises(ValueError, match="41 main KV entries exceed the sequence's room for 40"):
         a.write(slice(23, 41), torch.randn(1, 18, 64).bfloat16())
     a.keep(9)  # entries 0..8 need three pages

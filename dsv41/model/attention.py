@@ -518,7 +518,7 @@ class Attention(nn.Module):
         unique, local = zip(*(_compacted(ids) for ids in chosen), strict=True)
         width = max(entries.numel() for entries in unique)
         ids = torch.stack([F.pad(entries, (0, width - entries.numel()), value=-1) for entries in unique])
-        rows = stores[0].pool.rows[0, PagedEntries.physical_of(stores, ids).clamp(min=0)]
+        rows = stores[0].pool.read_rows(PagedEntries.physical_of(stores, ids).clamp(min=0))
         values = stores[0].values(rows)
         return [(values[i : i + 1, : entries.numel()], own) for i, (entries, own) in enumerate(zip(unique, local,
                                                                                                    strict=True))]
