@@ -86,21 +86,50 @@ TILE = 64  # keys unpacked per pass, then scored together (16 to 128 measured th
 
 
 @numba.njit(cache=True, nogil=True)
-def _round_to_bf16(words: np.ndarray) -> None:
-    """float32 bits [n] rounded to the nearest bf16 (ties to even) in place, low half zero."""
-    for i in range(words.shape[0]):
+def _round_to_bf16(words: np.ndarray, count: int) -> None:
+    """float32 bits words[:count] rounded to the nearest bf16 (ties to even) in place, low half zero."""
+    for i in range(count):
         words[i] = bf16_high_bits(words[i]) << np.uint32(16)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _tile_dots(q: np.ndarray, values: np.ndarray, count: int, dots: np.ndarray) -> None:
     """dots[h, t] = sum over c of q[h, c] * values[t, c] for the first `count` keys, in any order
-    the compiler likes (vectors): only trusted where every order gives the exact sum."""
+    the compiler likes (vectors): only trusted where every order gives the exact sum. Four heads
+    over two keys at a time, so each load of a key's or a query's values feeds several products
+    (a tile of `mini`'s 4 heads: 18 against 29 ns a key one head and key at a time)."""
     heads, dim = q.shape
-    for t in range(count):
-        for h in range(heads):
-            total = np.float32(0.0)
+    grouped = heads - heads % 4
+    for h in range(0, grouped, 4):
+        q0, q1, q2, q3 = q[h], q[h + 1], q[h + 2], q[h + 3]
+        for t in range(0, count - 1, 2):
+            v, u = values[t], values[t + 1]
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
             for c in range(dim):
+                x, y = v[c], u[c]
+                a0 += q0[c] * x
+                a1 += q1[c] * x
+                a2 += q2[c] * x
+                a3 += q3[c] * x
+                b0 += q0[c] * y
+                b1 += q1[c] * y
+                b2 += q2[c] * y
+                b3 += q3[c] * y
+            dots[h, t], dots[h + 1, t], dots[h + 2, t], dots[h + 3, t] = a0, a1, a2, a3
+            dots[h, t + 1], dots[h + 1, t + 1], dots[h + 2, t + 1], dots[h + 3, t + 1] = b0, b1, b2, b3
+        if count % 2:
+            _head_dots(q, values, h, h + 4, count - 1, count, dots)
+    _head_dots(q, values, grouped, heads, 0, count, dots)
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _head_dots(q: np.ndarray, values: np.ndarray, first_head: int, last_head: int, first: int, last: int,
+               dots: np.ndarray) -> None:
+    """`_tile_dots` of heads first_head..last_head-1 and keys first..last-1, one by one."""
+    for t in range(first, last):
+        for h in range(first_head, last_head):
+            total = np.float32(0.0)
+            for c in range(q.shape[1]):
                 total += q[h, c] * values[t, c]
             dots[h, t] = total
 
@@ -116,13 +145,13 @@ def _tile_scores(dots: np.ndarray, dot_words: np.ndarray, weights: np.ndarray, c
     for t in range(count):
         total[t] = zero
     for h in range(heads):
-        _round_to_bf16(dot_words[h, :count])
-        weight = weights[h]
+        row, words, weight = dots[h], dot_words[h], weights[h]
+        _round_to_bf16(words, count)
         for t in range(count):
-            dots[h, t] = max(dots[h, t], zero) * weight
-        _round_to_bf16(dot_words[h, :count])
+            row[t] = max(row[t], zero) * weight
+        _round_to_bf16(words, count)
         for t in range(count):
-            total[t] += dots[h, t]
+            total[t] += row[t]
 
 
 @numba.njit(cache=True, nogil=True)
