@@ -12,13 +12,14 @@ larger of the two floors is what a step could take at best on this machine, and 
 printed beside it. The KV the synthetic cache holds is reported as it is stored: packed global
 entries per token, the page pools' reserved bytes, and the SWA rings. Then a batch of sequences
 of different lengths steps one token each, as one batch (projections, MoE and the attention
-kernel once over the batch) and one by one. `--verify K` also times a step of K tokens at each
-context, the size of a DSpark verification (a draft of K - 1 tokens and the token before it),
-beside the one-token step. `--config` takes a built-in name or any official-format config.json
+kernel once over the batch) and one by one. `--tokens K [K ...]` also times a forward of K tokens
+at each context, beside the one-token step: 2-8 tokens are a DSpark verification (a draft and the
+token before it), 512 a prompt's chunk over a cached prefix (every layer; a `ced` prefill runs the
+encoder's half over it). `--config` takes a built-in name or any official-format config.json
 (random weights).
 Writes benchmarks/results/decode.json (or --out).
 Usage: python benchmarks/decode.py [--config mini] [--contexts 4096 16384 65536] [--steps 3]
-       [--batch 4 --batch-context 8192] [--verify 4] [--out PATH]
+       [--batch 4 --batch-context 8192] [--tokens 4 512] [--out PATH]
 """
 
 from __future__ import annotations
@@ -132,13 +133,16 @@ def time_layers(model, cache: DecodeCache, steps: int) -> dict[str, float]:
 
 
 def time_tokens(model, context: int, tokens: int, steps: int) -> float:
-    """Median seconds of a forward of `tokens` tokens over a synthetic cache of `context` tokens."""
+    """Median seconds of a forward of `tokens` tokens over a synthetic cache of `context` tokens
+    (fewer where the timed forwards would pass the context limit)."""
+    context = min(context, model.config.text_config.max_position_embeddings - (steps + 1) * tokens)
     cache = synthetic_cache(model, context, (steps + 1) * tokens)
     times = []
     with torch.inference_mode():
         for step in range(steps + 1):  # the first is a warm-up
             start = time.perf_counter()
-            logits = model(torch.arange(tokens).unsqueeze(0) + 5 + step, cache=cache).logits
+            ids = (torch.arange(tokens) + 5 + step) % (model.config.text_config.vocab_size - 3) + 3
+            logits = model(ids.unsqueeze(0), cache=cache).logits
             times.append(time.perf_counter() - start)
     if not logits.isfinite().all():
         raise RuntimeError("the synthetic cache gave non-finite logits: the timings would not be of real work")
@@ -194,8 +198,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences in the batched step (0: skip it)")
     parser.add_argument("--batch-context", type=int, default=8192,
                         help="context of the longest sequence of the batch; the others hold 1/2, 1/4, ...")
-    parser.add_argument("--verify", type=int, default=0,
-                        help="also time a step of this many tokens at each context (a DSpark verification; 0: skip)")
+    parser.add_argument("--tokens", type=int, nargs="*", default=[],
+                        help="also time a forward of each of these token counts at each context (4: a DSpark "
+                             "verification, 512: a prompt chunk over a cached prefix)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
     args = parser.parse_args()
     model = random_model(load_named_config(args.config), seed=0)
@@ -226,12 +231,15 @@ def main() -> None:
               f"{held['swa_ring_bytes'] / 2**20:.2f} MiB")
         for name, seconds in times.items():
             print(f"  {name:<26} {seconds * 1e3:>9.1f} ms  {kv[name] / 2**20:>9.2f} MiB")
-        if args.verify:
+        if args.tokens:
             one = time_tokens(model, context, 1, args.steps)
-            several = time_tokens(model, context, args.verify, args.steps)
-            rows[-1]["verify"] = {"tokens": args.verify, "one_token_s": one, "step_s": several}
-            print(f"  a step of {args.verify} tokens: {several * 1e3:.0f} ms, {several / one:.2f}x a one-token "
-                  f"step ({one * 1e3:.0f} ms, whole model)")
+            rows[-1]["several_tokens"] = {"one_token_s": one}
+            print(f"  a forward of 1 token (whole model): {one * 1e3:.0f} ms")
+            for tokens in args.tokens:
+                several = time_tokens(model, context, tokens, args.steps)
+                rows[-1]["several_tokens"][str(tokens)] = several
+                print(f"  a forward of {tokens} tokens: {several * 1e3:.0f} ms, {several / one:.2f}x one token, "
+                      f"{tokens / several:.0f} tokens/s")
         del cache
     batch = None
     if args.batch:

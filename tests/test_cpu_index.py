@@ -132,3 +132,67 @@ def test_non_finite_queries_and_weights_are_scored_by_the_operators(rng):
     want = torch_ops._operator_index_scores(q, weights, keys)
     assert want[0].isnan().any()
     assert torch.equal(_bits(torch_ops.index_scores(q, weights, keys)), _bits(want))
+
+
+def _products(rng: torch.Generator, b: int, s: int, heads: int, t: int) -> torch.Tensor:
+    """bf16 dot products [b, s, heads, t] with negatives, zeros of both signs, and values far apart."""
+    spread = torch.exp2(torch.randint(-20, 20, (b, s, heads, t), generator=rng).float())
+    dots = (torch.randn(b, s, heads, t, generator=rng) * spread).bfloat16()
+    dots[..., ::5] = 0.0
+    dots[..., 2::9] = -0.0
+    return dots
+
+
+@pytest.mark.parametrize("heads", [1, 3, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_head_sums_of_several_tokens_equal_the_operators(rng, heads, threads, monkeypatch):
+    """`weighted_head_sums` (a prompt chunk's or a verification's scores from its GEMM's products)
+    gives the operators' ReLU, weights and head sum bit for bit: rows split over threads or not,
+    products padded by the GEMM (a strided view), weights of both signs far apart, and terms of
+    2^25, -2^25 and ones where another order of the heads would give other sums."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(torch_ops, "HEAD_SUMS_SPLIT", 1)
+    assert torch_ops._head_sums_keep_bits(heads)
+    for b, s, t in ((1, 1, 7), (1, 5, 300), (2, 3, 1029)):
+        dots = _products(rng, b, s, heads, t)
+        weights = (torch.randn(b, s, heads, generator=rng) * torch.exp2(torch.randint(-8, 9, (b, s, heads),
+                                                                                       generator=rng))).bfloat16()
+        padded = torch.cat([dots, torch.zeros(b, s, heads, 5, dtype=torch.bfloat16)], dim=-1)[..., :t]
+        for products in (dots, padded):
+            want = torch_ops._operator_head_sums(products, weights)
+            assert torch.equal(_bits(torch_ops.weighted_head_sums(products, weights)), _bits(want)), (b, s, t)
+    ones = torch.ones(1, 32, heads, 3, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    weights = torch.ones(1, 32, heads)
+    for row in range(32):
+        chosen = torch.randperm(heads, generator=generator)[:2]
+        weights[0, row, chosen[0]], weights[0, row, chosen[-1]] = 2.0**25, -(2.0**25)
+    want = torch_ops._operator_head_sums(ones, weights.bfloat16())
+    assert torch.equal(_bits(torch_ops.weighted_head_sums(ones, weights.bfloat16())), _bits(want))
+
+
+def test_head_sums_with_non_finite_products_or_weights_are_the_operators(rng):
+    """An infinite or NaN product or head weight (a model that diverged): the loop hands the call
+    back (a NaN's sign and payload are the hardware's, which torch's vector code and the loop need
+    not share), and the scores are the operators', NaNs and infinities bit for bit."""
+
+    def loop_takes(dots: torch.Tensor, weights: torch.Tensor) -> bool:
+        rows = dots.reshape(-1, dots.size(2), dots.size(3)).view(torch.int16).numpy().view(np.uint16)
+        out = np.empty((rows.shape[0], rows.shape[2]), np.uint16)
+        return cpu_index.weighted_head_sums(rows, weights.reshape(rows.shape[0], -1).float().numpy(), out, 0,
+                                            rows.shape[0])
+
+    dots = _products(rng, 1, 4, 4, 200)
+    weights = torch.randn(1, 4, 4, generator=rng).bfloat16()
+    assert loop_takes(dots, weights)
+    for row, head, key, value in ((1, 2, 17, "inf"), (3, 0, 5, "nan")):
+        bad = dots.clone()
+        bad[0, row, head, key] = float(value)
+        assert not loop_takes(bad, weights)
+        want = torch_ops._operator_head_sums(bad, weights)
+        assert not want.isfinite().all()
+        assert torch.equal(_bits(torch_ops.weighted_head_sums(bad, weights)), _bits(want))
+    weights[0, 2, 1] = float("nan")
+    assert not loop_takes(dots, weights)
+    want = torch_ops._operator_head_sums(dots, weights)
+    assert torch.equal(_bits(torch_ops.weighted_head_sums(dots, weights)), _bits(want))

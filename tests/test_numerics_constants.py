@@ -52,12 +52,13 @@ def test_block_scaled_matmul_adds_the_blocks_in_order_from_plus_zero(rng):
 def test_dots_equal_the_einsum_they_replace(rng, dtype):
     """`numerics.dots` (bmm on a transposed view) gives torch.einsum's bits for index-score shapes:
     MXFP4-rounded bf16 queries and keys, scales far apart, key counts around the GEMM's blockings and
-    between the powers of two they are padded to, and one sequence's keys split into whole granules
-    and a padded rest (5,000 keys: 4,864 and 136; 33,000: 32,768 and 232)."""
+    between the whole granules they are padded to, and one sequence's keys split into whole granules
+    and a padded rest where the products are the smaller (5,000 keys: 4,864 and 136; 33,000: 32,768
+    and 232)."""
     from dsv41.model.quant import mxfp4_qdq
 
     shapes = [(1, 4, 1, 128), (1, 4, 118, 32), (1, 4, 257, 128), (2, 32, 1000, 128), (3, 1, 4099, 64),
-              (1, 16, 5000, 128), (1, 8, 33000, 128), (1, 4, 4096, 64)]
+              (1, 16, 5000, 128), (1, 8, 33000, 128), (1, 4, 4096, 64), (1, 160, 3000, 64)]
     for n, heads, keys, dim in shapes:
         spread = torch.exp2(torch.randint(-30, 30, (n, keys, dim), generator=rng).float())
         k = mxfp4_qdq(torch.randn(n, keys, dim, generator=rng) * spread).to(dtype)

@@ -48,16 +48,14 @@ _pools_lock = threading.Lock()
 os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the parent's threads
 
 
-def over_queries(loop, rows: int, *arrays: np.ndarray) -> None:
+def over_queries(loop, rows: int, *arrays: np.ndarray) -> list:
     """Run `loop(*arrays, first, last)` over rows 0..rows-1, split into one slice per torch thread
-    (the loops release the GIL; torch's own threads are idle meanwhile)."""
+    (the loops release the GIL; torch's own threads are idle meanwhile); the slices' results."""
     threads = min(torch.get_num_threads(), rows)
     if threads <= 1:
-        loop(*arrays, 0, rows)
-        return
+        return [loop(*arrays, 0, rows)]
     with _pools_lock:
         pool = _pools.get(threads) or _pools.setdefault(
             threads, ThreadPoolExecutor(threads, thread_name_prefix="dsv41-attention"))
     bounds = [rows * t // threads for t in range(threads + 1)]
-    for done in [pool.submit(loop, *arrays, bounds[t], bounds[t + 1]) for t in range(threads)]:
-        done.result()
+    return [done.result() for done in [pool.submit(loop, *arrays, bounds[t], bounds[t + 1]) for t in range(threads)]]

@@ -546,6 +546,65 @@ def _operator_index_scores(q, weights, keys, entry_ids=None) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
+def weighted_head_sums(dots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Index scores [b, s, t] from bf16 dot products dots [b, s, heads, t] and head weights
+    [b, s, heads]: ReLU, times the weight, summed over the heads, every step in bf16 as the
+    reference computes it. On the CPU a compiled loop makes one pass over the products
+    (`cpu_index.weighted_head_sums`, the same bits) where a probe finds torch summing the heads in
+    its order; from HEAD_SUMS_SPLIT products the rows are split over torch's threads."""
+    b, s, h, t = dots.shape
+    if (numerics.is_stable() or dots.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16
+            or not cpu_loops.serves(dots, weights) or not _head_sums_keep_bits(h)):
+        return _operator_head_sums(dots, weights)
+    rows = dots.reshape(b * s, h, t)  # a view where the products were padded: the loop reads rows where they lie
+    out = np.empty((b * s, t), np.uint16)
+    arrays = (rows.view(torch.int16).numpy().view(np.uint16), weights.reshape(b * s, h).float().contiguous().numpy(),
+              out)
+    if b * s * h * t >= HEAD_SUMS_SPLIT:
+        done = all(cpu_attention.over_queries(cpu_index.weighted_head_sums, b * s, *arrays))
+    else:
+        done = cpu_index.weighted_head_sums(*arrays, 0, b * s)
+    if not done:
+        return _operator_head_sums(dots, weights)
+    return torch.from_numpy(out).view(torch.bfloat16).view(b, s, t)
+
+
+HEAD_SUMS_SPLIT = 1 << 18  # products from which `weighted_head_sums` splits its rows over threads
+
+
+def _operator_head_sums(dots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return numerics.wide(dots.relu() * weights.unsqueeze(-1)).sum(dim=2).to(dots.dtype)
+
+
+@functools.cache
+def _head_sums_keep_bits(heads: int) -> bool:
+    """Whether `cpu_index.weighted_head_sums` gives the operators' bits on this machine for this
+    many heads: random products (negative ones and zeros of both signs among them) and terms of
+    2^25, -2^25 and ones on random heads, whose sums differ between one order of the heads and
+    another, over key counts around the vector widths. Checked once per head count."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for b, s, t in ((1, 1, 1), (1, 3, 100), (2, 5, 1027), (1, 2, 4096 + 9)):
+            dots = (torch.randn(b, s, heads, t, generator=generator) * 4).bfloat16()
+            dots[..., ::7] = 0.0
+            dots[..., 3::11] = -0.0
+            weights = (torch.randn(b, s, heads, generator=generator) * 8).bfloat16()
+            order = torch.ones(b, s, heads, t, dtype=torch.bfloat16)
+            spread = torch.ones(b * s, heads)
+            for row in range(b * s):
+                chosen = torch.randperm(heads, generator=generator)[:2]
+                spread[row, chosen[0]], spread[row, chosen[-1]] = 2.0**25, -(2.0**25)
+            for d, w in ((dots, weights), (order, spread.view(b, s, heads).bfloat16())):
+                rows = d.reshape(b * s, heads, t).contiguous().view(torch.int16).numpy().view(np.uint16)
+                out = np.empty((b * s, t), np.uint16)
+                if not cpu_index.weighted_head_sums(rows, w.reshape(b * s, heads).float().numpy(), out, 0, b * s):
+                    return False
+                got = torch.from_numpy(out).view(torch.bfloat16).view(b, s, t)
+                if not torch.equal(got.view(torch.int16), _operator_head_sums(d, w).view(torch.int16)):
+                    return False
+    return True
+
+
 def _packed_loop_serves(q, weights, keys) -> bool:
     """Whether `cpu_index.packed_index_scores` stands in for the operators: CPU tensors outside
     autograd and stable mode, MXFP4 keys of whole 32-channel blocks, and a machine where a probe

@@ -19,7 +19,7 @@ from torch import nn
 from dsv41.config import LayerSpec, Mode, TextConfig
 from dsv41.kernels import cpu_projections, dispatch
 from dsv41.kernels.selection import official_topk, topk_entries, untied_topk
-from dsv41.kernels.torch_ops import candidate_entries, distinct_ids, pool_mask, sparse_attention
+from dsv41.kernels.torch_ops import candidate_entries, distinct_ids, pool_mask, sparse_attention, weighted_head_sums
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
 from dsv41.model.layers import Linear, LinearsBeside, RMSNorm, Storage, norm_sum_width
@@ -274,7 +274,7 @@ class Indexer(nn.Module):
         verification or a prompt chunk on a long cache), with the same bits."""
         b, s, h, d = q.shape
         dots = numerics.dots(q.reshape(b, s * h, d), keys).view(b, s, h, keys.size(1))
-        return numerics.wide(dots.relu() * weights.unsqueeze(-1)).sum(dim=2).to(dots.dtype)
+        return weighted_head_sums(dots, weights)
 
 
 class Attention(nn.Module):

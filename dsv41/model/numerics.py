@@ -153,25 +153,26 @@ def dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     The product runs over steady shapes, a column's value not depending on how many columns there
     are: oneDNN builds a matmul for every new shape, and a decode step's key count grows by one a
     step, so unpadded every step paid for building one (about 2 ms of a `small` component's step,
-    most of it fresh pages). One sequence's keys (n = 1) go in two products: the leading whole
-    granules (1/32 of the key count's power of two, at least 64) where they lie, and the rest
-    padded with zero keys to one granule; padding the whole table copied it, up to twice its size
-    (6 ms of 9 at 32K keys). Several sequences' keys are padded to the next power of two: their
-    leading rows are not a batch of the stride oneDNN's fast path takes (a view of 32,768 of
-    32,772 keys took 11 ms against 0.6 ms)."""
+    most of it fresh pages). The keys are taken in whole granules (1/32 of the key count's power of
+    two, at least 64): where the products are fewer bytes than the keys (m < d, one sequence), the
+    leading whole granules are multiplied where they lie and the rest, padded with zero keys to one
+    granule, apart (joining the two results copies them); otherwise the keys are padded to whole
+    granules (one copy of them). Padding to the next power of two, as before, copied up to twice the
+    keys (6 ms of 9 at 32K keys); a view of a batch's leading rows is not a batch of the stride
+    oneDNN's fast path takes (32,768 of 32,772 keys took 11 ms against 0.6 ms)."""
     if _stable:
         return einsum("nmd,ntd->nmt", a, b)
-    n, t = b.size(0), b.size(1)
-    granule = max(64, 1 << max(0, t.bit_length() - 5)) if n == 1 else max(64, 1 << (t - 1).bit_length())
+    n, m, t = b.size(0), a.size(1), b.size(1)
+    granule = max(64, 1 << max(0, t.bit_length() - 5))
     whole = t - t % granule
     if whole == t:
         return torch.bmm(a, b.transpose(1, 2))
-    rest = F.pad(b[:, whole:], (0, 0, 0, granule - (t - whole)))
-    tail = torch.bmm(a, rest.transpose(1, 2))[..., : t - whole]
-    if not whole:
-        return tail
+    if n > 1 or m >= b.size(2) or not whole:
+        return torch.bmm(a, F.pad(b, (0, 0, 0, whole + granule - t)).transpose(1, 2))[..., :t]
+    rest = F.pad(b[:, whole:], (0, 0, 0, whole + granule - t))
     leading = b[0, :whole].unsqueeze(0)  # the batch stride of a tensor of `whole` rows
-    return torch.cat([torch.bmm(a, leading.transpose(1, 2)), tail], dim=-1)
+    return torch.cat([torch.bmm(a, leading.transpose(1, 2)), torch.bmm(a, rest.transpose(1, 2))[..., : t - whole]],
+                     dim=-1)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
