@@ -461,7 +461,8 @@ class Attention(nn.Module):
             offset += values.size(1)
         width = max(idx.size(-1) for idx in tables)
         idx = torch.cat([F.pad(idx, (0, width - idx.size(-1)), value=-1) for idx in tables], dim=1)
-        return sparse_attention(q, torch.cat(keys, dim=1), self.attn_sink, idx, self.head_dim**-0.5)
+        return sparse_attention(q, keys[0] if len(keys) == 1 else _fp32_rows(keys), self.attn_sink, idx,
+                                self.head_dim**-0.5)
 
     def _extended_windows(self, kv: torch.Tensor, batch: SharedBatch) -> list[tuple | None]:
         """For each sequence of the batch that steps several tokens after position 0 (the window
@@ -503,10 +504,13 @@ class Attention(nn.Module):
     @staticmethod
     def _with_entries(kv, idx, entries, local_idx) -> tuple[torch.Tensor, torch.Tensor]:
         """Window keys and table extended by the chosen entries (local_idx: each query's positions
-        in `entries`, -1 unused)."""
+        in `entries`, -1 unused). The keys come back as the fp32 table the attention multiplies
+        (bf16 values widen exactly), each part widened as it is copied in: joining them in bf16
+        and widening the whole took two more passes over a table that a prompt chunk on a long
+        cache makes of tens of thousands of entries."""
         local_idx = official_width(local_idx)
         idx = torch.cat([idx, torch.where(local_idx >= 0, local_idx + kv.size(1), -1)], dim=-1)
-        return torch.cat([kv, entries], dim=1), idx
+        return _fp32_rows([kv, entries]), idx
 
     def _gather_entries(self, chosen: list[torch.Tensor], parts: list[SharedAttention]) -> list[tuple]:
         """`_entries` of several sequences after position 0: the entries each one picked, read from
@@ -924,6 +928,18 @@ class Attention(nn.Module):
         picked = official_topk(scores, min(self.indexer.topk, total))
         picked = torch.where(picked < visible, picked, -1)
         return valid_first(F.pad(picked, (0, self.indexer.topk - picked.size(-1)), value=-1)).int()
+
+
+def _fp32_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Key tables [b, n_i, d] (bf16 or fp32) joined along the keys into one fp32 table, each part
+    widened as it is copied in (`sparse_attention` multiplies fp32 keys)."""
+    first = parts[0]
+    out = first.new_empty(first.size(0), sum(part.size(1) for part in parts), first.size(2), dtype=torch.float32)
+    start = 0
+    for part in parts:
+        out[:, start : start + part.size(1)] = part
+        start += part.size(1)
+    return out
 
 
 def _compacted(entry_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
