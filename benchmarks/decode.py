@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from dsv41.checkpoint import load_named_config
+from dsv41.components.sequences import keep_freed_memory
 from dsv41.config import Mode
 from dsv41.engine.core import InferenceCore, Sequence
 from dsv41.engine.flops import decode_token_flops
@@ -203,6 +204,7 @@ def main() -> None:
                              "verification, 512: a prompt chunk over a cached prefix)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
     args = parser.parse_args()
+    keep_freed_memory()  # the allocator policy the model components run with (DSV41_MALLOC=system: none)
     model = random_model(load_named_config(args.config), seed=0)
     fill_weight_caches(model)  # steady state: a routed expert's first token would pay its dequantization
     bandwidth, rate = copy_bandwidth(), gemm_rate()

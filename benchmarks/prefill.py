@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.decode import gemm_rate  # noqa: E402
 from dsv41.checkpoint import load_named_config  # noqa: E402
+from dsv41.components.sequences import keep_freed_memory  # noqa: E402
 from dsv41.engine.core import InferenceCore  # noqa: E402
 from dsv41.engine.flops import decode_token_flops  # noqa: E402
 from dsv41.model.reference import random_model  # noqa: E402
@@ -82,6 +83,7 @@ def main() -> None:
                         help="also time each CED prefill with DSV41_FAST_ATTENTION=1 and report the speed-up")
     parser.add_argument("--out", type=Path, default=RESULTS / "prefill.json")
     args = parser.parse_args()
+    keep_freed_memory()  # the allocator policy the model components run with (DSV41_MALLOC=system: none)
     torch.set_num_threads(args.threads)
     model = random_model(load_named_config(args.config), seed=0)
     core = InferenceCore(model, chunk_size=args.chunk)

@@ -4,6 +4,7 @@ prefetched Engram rows are dropped, and oneDNN's per-shape kernel caches are cap
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import time
@@ -116,3 +117,34 @@ def test_pipeline_keeps_nothing_per_request(root):
             assert len(component.sequences) == 0 and component.core.pages_in_use == 0
         assert len(encoder.mailbox) == 0 and not components["dspark"].active
         assert end - middle < 64 * 1024, f"traced memory grew by {end - middle} B over 12 requests"
+
+
+# A fresh process: the model components' allocator policy, then a 64 MB allocation; prints whether
+# the policy applied and how many bytes malloc holds in mappings of their own.
+FREED_MEMORY = """
+import ctypes
+import numpy as np
+from dsv41.components.sequences import keep_freed_memory
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+                "keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+applied = keep_freed_memory()
+table = np.ones(16 << 20, np.float32)
+print(applied, libc.mallinfo2().hblkhd)
+"""
+
+
+@pytest.mark.parametrize("setting", ["keep", "system"])
+def test_model_components_keep_freed_memory_in_the_heap(setting):
+    """With the policy (glibc), a 64 MB table comes from malloc's heap, whose freed pages the next
+    step's tables reuse, instead of a mapping of its own; `DSV41_MALLOC=system` leaves malloc as it is."""
+    env = {**os.environ, "DSV41_MALLOC": setting}
+    result = subprocess.run([sys.executable, "-c", FREED_MEMORY], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    applied, mapped = result.stdout.split()
+    if setting == "keep":
+        assert applied == "True" and int(mapped) < 64 << 20
+    else:
+        assert applied == "False" and int(mapped) >= 64 << 20

@@ -7,6 +7,8 @@ by a periodic sweep.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -29,11 +31,38 @@ def bound_native_caches(entries: int = NATIVE_CACHE_ENTRIES) -> None:
         os.environ.setdefault(name, str(entries))
 
 
+MALLOC_MMAP_THRESHOLD = 1 << 30  # bytes from which glibc's malloc maps each allocation afresh
+MALLOC_TRIM_THRESHOLD = 2 << 30  # free bytes at the heap's top that glibc's malloc keeps mapped
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc serve allocations up to 1 GiB from its heap and keep what is freed
+    mapped, so a step's large temporaries reuse pages instead of faulting in fresh ones. By default
+    every allocation from 32 MB on is a fresh mapping: a 512-token prompt chunk over a 64K-token
+    cache makes key tables of tens of MB in every layer, and allocating and filling 61 MB took 17 ms
+    against 5 ms from the heap (the whole chunk 10.9-11.3 s against 9.0-9.4 s on `mini`). The heap
+    then stays at its peak rather than shrinking after each step. `DSV41_MALLOC=system` leaves the
+    allocator as it is; so does a C library other than glibc. True where the policy was applied."""
+    if os.environ.get("DSV41_MALLOC", "keep") == "system":
+        return False
+    try:
+        libc = ctypes.CDLL(None)  # the process's own symbols, its C library's among them
+    except OSError:
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc's alone: the mallopt parameters below are glibc's
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)) and bool(
+        libc.mallopt(m_trim_threshold, MALLOC_TRIM_THRESHOLD))
+
+
 def model_core(context, name: str) -> InferenceCore:
     """The core a model component runs, warmed up: the pipeline's chunk size, and global KV page
     pools bounded by the component's `kv_pages` option (pages per pool; unset: they grow with the
     requests)."""
     bound_native_caches()
+    keep_freed_memory()
     pages = context.option(name, "kv_pages", None)
     if pages is not None and (not isinstance(pages, int) or isinstance(pages, bool) or pages < 1):
         raise ValueError(f"components.{name}.options.kv_pages must be a positive integer, got {pages!r}")
