@@ -157,9 +157,9 @@ def dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     two, at least 64): where the products are fewer bytes than the keys (m < d, one sequence), the
     leading whole granules are multiplied where they lie and the rest, padded with zero keys to one
     granule, apart (joining the two results copies them); otherwise the keys are padded to whole
-    granules (one copy of them). Padding to the next power of two, as before, copied up to twice the
-    keys (6 ms of 9 at 32K keys); a view of a batch's leading rows is not a batch of the stride
-    oneDNN's fast path takes (32,768 of 32,772 keys took 11 ms against 0.6 ms)."""
+    granules (one copy of them). Padding to the next power of two would copy up to twice the keys
+    (6 ms of 9 at 32K keys); a view of a batch's leading rows is not a batch of the stride oneDNN's
+    fast path takes (32,768 of 32,772 keys took 11 ms against 0.6 ms)."""
     if _stable:
         return einsum("nmd,ntd->nmt", a, b)
     n, m, t = b.size(0), a.size(1), b.size(1)
