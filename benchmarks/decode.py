@@ -42,8 +42,17 @@ from dsv41.model.cache import DecodeCache
 from dsv41.model.layers import fill_weight_caches
 from dsv41.model.pages import PagePools
 from dsv41.model.reference import random_model
+from dsv41.model.tokenizer import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def benchmark_model(config_name: str):
+    """`config_name`'s model with seeded random weights and the Engram map of the tokenizer that
+    comes with it (a built-in model's, or the one beside a config file; else the byte stand-in):
+    `small`'s config counts the compressed ids of its trained tokenizer."""
+    config = load_named_config(config_name)
+    return random_model(config, seed=0, tokenizer=load_tokenizer(config_name, config.text_config.vocab_size))
 
 
 def kind(spec) -> str:
@@ -205,7 +214,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
     args = parser.parse_args()
     keep_freed_memory()  # the allocator policy the model components run with (DSV41_MALLOC=system: none)
-    model = random_model(load_named_config(args.config), seed=0)
+    model = benchmark_model(args.config)
     fill_weight_caches(model)  # steady state: a routed expert's first token would pay its dequantization
     bandwidth, rate = copy_bandwidth(), gemm_rate()
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s; fp32 GEMM: {rate / 1e9:.1f} GFLOP/s")

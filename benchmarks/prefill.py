@@ -32,12 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.decode import gemm_rate  # noqa: E402
-from dsv41.checkpoint import load_named_config  # noqa: E402
+from benchmarks.decode import benchmark_model, gemm_rate  # noqa: E402
 from dsv41.components.sequences import keep_freed_memory  # noqa: E402
 from dsv41.engine.core import InferenceCore  # noqa: E402
 from dsv41.engine.flops import decode_token_flops  # noqa: E402
-from dsv41.model.reference import random_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SAMPLES = 256  # positions at which the FLOP count is evaluated (it is piecewise linear in the context)
@@ -85,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()  # the allocator policy the model components run with (DSV41_MALLOC=system: none)
     torch.set_num_threads(args.threads)
-    model = random_model(load_named_config(args.config), seed=0)
+    model = benchmark_model(args.config)
     core = InferenceCore(model, chunk_size=args.chunk)
     window, vocab = model.config.text_config.sliding_window, model.config.text_config.vocab_size
     encoder_share = len(core.encoder) / (len(core.encoder) + len(core.decoder))
