@@ -177,10 +177,7 @@ def test_head_sums_with_non_finite_products_or_weights_are_the_operators(rng):
     not share), and the scores are the operators', NaNs and infinities bit for bit."""
 
     def loop_takes(dots: torch.Tensor, weights: torch.Tensor) -> bool:
-        rows = dots.reshape(-1, dots.size(2), dots.size(3)).view(torch.int16).numpy().view(np.uint16)
-        out = np.empty((rows.shape[0], rows.shape[2]), np.uint16)
-        return cpu_index.weighted_head_sums(rows, weights.reshape(rows.shape[0], -1).float().numpy(), out, 0,
-                                            rows.shape[0])
+        return torch_ops._loop_head_sums(dots, weights, split=False) is not None
 
     dots = _products(rng, 1, 4, 4, 200)
     weights = torch.randn(1, 4, 4, generator=rng).bfloat16()

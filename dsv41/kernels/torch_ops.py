@@ -552,21 +552,25 @@ def weighted_head_sums(dots: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     reference computes it. On the CPU a compiled loop makes one pass over the products
     (`cpu_index.weighted_head_sums`, the same bits) where a probe finds torch summing the heads in
     its order; from HEAD_SUMS_SPLIT products the rows are split over torch's threads."""
-    b, s, h, t = dots.shape
     if (numerics.is_stable() or dots.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16
-            or not cpu_loops.serves(dots, weights) or not _head_sums_keep_bits(h)):
+            or not cpu_loops.serves(dots, weights) or not _head_sums_keep_bits(dots.size(2))):
         return _operator_head_sums(dots, weights)
-    rows = dots.reshape(b * s, h, t)  # a view where the products were padded: the loop reads rows where they lie
+    scores = _loop_head_sums(dots, weights, split=dots.numel() >= HEAD_SUMS_SPLIT)
+    return scores if scores is not None else _operator_head_sums(dots, weights)
+
+
+def _loop_head_sums(dots: torch.Tensor, weights: torch.Tensor, split: bool) -> torch.Tensor | None:
+    """`cpu_index.weighted_head_sums` over every row (`split`: the rows over torch's threads), read
+    where the products lie (a view where the GEMM's were padded); None where it handed them back."""
+    b, s, h, t = dots.shape
+    rows = dots.reshape(b * s, h, t).view(torch.int16).numpy().view(np.uint16)
     out = np.empty((b * s, t), np.uint16)
-    arrays = (rows.view(torch.int16).numpy().view(np.uint16), weights.reshape(b * s, h).float().contiguous().numpy(),
-              out)
-    if b * s * h * t >= HEAD_SUMS_SPLIT:
+    arrays = (rows, weights.reshape(b * s, h).float().contiguous().numpy(), out)
+    if split:
         done = all(cpu_attention.over_queries(cpu_index.weighted_head_sums, b * s, *arrays))
     else:
         done = cpu_index.weighted_head_sums(*arrays, 0, b * s)
-    if not done:
-        return _operator_head_sums(dots, weights)
-    return torch.from_numpy(out).view(torch.bfloat16).view(b, s, t)
+    return torch.from_numpy(out).view(torch.bfloat16).view(b, s, t) if done else None
 
 
 HEAD_SUMS_SPLIT = 1 << 18  # products from which `weighted_head_sums` splits its rows over threads
@@ -595,12 +599,8 @@ def _head_sums_keep_bits(heads: int) -> bool:
                 chosen = torch.randperm(heads, generator=generator)[:2]
                 spread[row, chosen[0]], spread[row, chosen[-1]] = 2.0**25, -(2.0**25)
             for d, w in ((dots, weights), (order, spread.view(b, s, heads).bfloat16())):
-                rows = d.reshape(b * s, heads, t).contiguous().view(torch.int16).numpy().view(np.uint16)
-                out = np.empty((b * s, t), np.uint16)
-                if not cpu_index.weighted_head_sums(rows, w.reshape(b * s, heads).float().numpy(), out, 0, b * s):
-                    return False
-                got = torch.from_numpy(out).view(torch.bfloat16).view(b, s, t)
-                if not torch.equal(got.view(torch.int16), _operator_head_sums(d, w).view(torch.int16)):
+                got = _loop_head_sums(d, w, split=False)
+                if got is None or not torch.equal(got.view(torch.int16), _operator_head_sums(d, w).view(torch.int16)):
                     return False
     return True
 
