@@ -148,3 +148,15 @@ def test_model_components_keep_freed_memory_in_the_heap(setting):
         assert applied == "True" and int(mapped) < 64 << 20
     else:
         assert applied == "False" and int(mapped) >= 64 << 20
+
+
+def test_an_unknown_allocator_setting_is_refused_by_name(monkeypatch):
+    from dsv41.components.sequences import keep_freed_memory
+
+    monkeypatch.setenv("DSV41_MALLOC", "off")
+    keep_freed_memory.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"DSV41_MALLOC='off': use keep \(the default\) or system"):
+            keep_freed_memory()
+    finally:
+        keep_freed_memory.cache_clear()

@@ -44,7 +44,10 @@ def keep_freed_memory() -> bool:
     against 5 ms from the heap (the whole chunk 10.9-11.3 s against 9.0-9.4 s on `mini`). The heap
     then stays at its peak rather than shrinking after each step. `DSV41_MALLOC=system` leaves the
     allocator as it is; so does a C library other than glibc. True where the policy was applied."""
-    if os.environ.get("DSV41_MALLOC", "keep") == "system":
+    choice = os.environ.get("DSV41_MALLOC", "keep")
+    if choice not in ("keep", "system"):
+        raise ValueError(f"DSV41_MALLOC={choice!r}: use keep (the default) or system")
+    if choice == "system":
         return False
     try:
         libc = ctypes.CDLL(None)  # the process's own symbols, its C library's among them
