@@ -145,7 +145,10 @@ def time_layers(model, cache: DecodeCache, steps: int) -> dict[str, float]:
 def time_tokens(model, context: int, tokens: int, steps: int) -> float:
     """Median seconds of a forward of `tokens` tokens over a synthetic cache of `context` tokens
     (fewer where the timed forwards would pass the context limit)."""
-    context = min(context, model.config.text_config.max_position_embeddings - (steps + 1) * tokens)
+    limit = model.config.text_config.max_position_embeddings
+    context = min(context, limit - (steps + 1) * tokens)
+    if context < 1:
+        raise SystemExit(f"--tokens {tokens}: {steps + 1} forwards of it pass the context limit of {limit} tokens")
     cache = synthetic_cache(model, context, (steps + 1) * tokens)
     times = []
     with torch.inference_mode():
@@ -213,6 +216,8 @@ def main() -> None:
                              "verification, 512: a prompt chunk over a cached prefix)")
     parser.add_argument("--out", type=Path, default=RESULTS / "decode.json")
     args = parser.parse_args()
+    if any(tokens < 1 for tokens in args.tokens):
+        parser.error(f"--tokens takes token counts of at least 1, got {args.tokens}")
     keep_freed_memory()  # the allocator policy the model components run with (DSV41_MALLOC=system: none)
     model = benchmark_model(args.config)
     fill_weight_caches(model)  # steady state: a routed expert's first token would pay its dequantization
