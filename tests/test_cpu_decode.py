@@ -86,12 +86,14 @@ def test_prefill_passes_give_the_operators_bits(rng, threads, monkeypatch):
     1 to 3 sequences of 2 to 13 queries, tables of any width (padded to whole chunks), early
     queries that see only part of a chunk or none of one (in some trials every query of a pass
     sees under a third of the table, so passes are cut short), a sequence's own keys or one pool
-    for all; every output has the operators' bits, and the loops produced most of them."""
+    for all, keys gathered for a whole pass (64 channels) or for each query in turn (512); every
+    output has the operators' bits, and the loops produced most of them."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         verdicts = _counting_outputs(monkeypatch)
         cut = _recording_pass_widths(monkeypatch)
+        per_query = _recording_key_tables(monkeypatch)
         for trial in range(16):
             b, m = int(torch.randint(1, 4, (), generator=rng)), int(torch.randint(2, 14, (), generator=rng))
             h, d = [(4, 512), (8, 64)][trial % 2]
@@ -112,8 +114,22 @@ def test_prefill_passes_give_the_operators_bits(rng, threads, monkeypatch):
             assert torch.equal(_bits(got), _bits(want)), trial
         assert verdicts and sum(verdicts) >= len(verdicts) // 2
         assert any(width < full for full, widths in cut for width in widths), "no pass was cut short"
+        assert set(per_query) == {False, True}, "one way of gathering the keys was not taken"
     finally:
         torch.set_num_threads(previous)
+
+
+def _recording_key_tables(monkeypatch) -> list[bool]:
+    """Records for each pass's entry products whether its keys came per query (`KeysByQuery`)."""
+    kinds: list[bool] = []
+    dots = torch_ops._entry_dots
+
+    def recorded(qf, entries):
+        kinds.append(isinstance(entries, torch_ops.KeysByQuery))
+        return dots(qf, entries)
+
+    monkeypatch.setattr(torch_ops, "_entry_dots", recorded)
+    return kinds
 
 
 def _recording_pass_widths(monkeypatch) -> list[tuple[int, list[int]]]:

@@ -67,6 +67,7 @@ def _operator_passes(q, kv, sink, idx, scale: float) -> torch.Tensor:
     return _chunk_by_chunk(q, kv, sink, idx, scale)
 
 
+PASS_KEYS_BYTES = 1 << 20  # a pass's gathered fp32 keys up to which they are gathered at once, not per query
 COMPILED_PASS_QUERIES = 8  # queries (of all sequences) per pass of _compiled_passes (best of 1-8 on `mini`)
 
 
@@ -81,9 +82,11 @@ def _compiled_passes_serve(q: torch.Tensor, idx: torch.Tensor) -> bool:
 
 def _compiled_passes(q, kv, sink, idx, scale: float) -> torch.Tensor:
     """`sparse_attention` of a prefill in passes of a few queries through `_compiled_chunks`: the
-    operators' bits, a dozen calls a pass instead of about fifteen a chunk of 64 keys. Each query's
-    keys are gathered just before each of its two GEMMs (`KeysByQuery`), into a table that stays in
-    the L2 (1.3 MB on `mini`). A pass the loops hand back is computed by the operators."""
+    operators' bits, a dozen calls a pass instead of about fifteen a chunk of 64 keys. A pass's keys
+    are gathered at once where they take at most PASS_KEYS_BYTES (256 KB for eight queries on
+    `small`: two calls a pass instead of sixteen); larger ones are gathered one query at a time just
+    before each of its two GEMMs (`KeysByQuery`), into a table that stays in the L2 (1.3 MB a query
+    on `mini`). A pass the loops hand back is computed by the operators."""
     b, m, h, d = q.shape
     step = max(1, min(COMPILED_PASS_QUERIES, CHUNKS_AT_ONCE_LIMIT // (h * idx.size(-1))) // b)  # within the limit
     widths = _pass_widths(kv, idx, step)
@@ -94,7 +97,9 @@ def _compiled_passes(q, kv, sink, idx, scale: float) -> torch.Tensor:
         ids = idx[:, s : s + step, :k]
         n = ids.size(1)
         flat = ids.reshape(b * n, k)
-        keys = KeysByQuery(rows, picked[:, s : s + n, :k].reshape(b * n, k))
+        named = picked[:, s : s + n, :k].reshape(b * n, k)  # each query's rows in the table
+        keys = (rows.index_select(0, named.flatten()).view(b * n, k, d) if named.numel() * d * 4 <= PASS_KEYS_BYTES
+                else KeysByQuery(rows, named))
         out = _compiled_chunks(qf[:, s : s + n].reshape(b * n, h, d), qf.new_empty(b * n, 0, d), flat[:, :0], keys,
                                flat, sink, scale, cut=k < idx.size(-1))
         outs.append(out.view(b, n, h, d) if out is not None
