@@ -238,6 +238,43 @@ def test_prompts_prefilled_together_run_their_chunks_as_batches_and_equal_each_a
         supervisor.stop()
 
 
+def test_prompts_beside_a_decoding_request_take_one_chunk_and_one_replay_a_pass(root):
+    """While a request decodes, prompts that arrive together are prefilled one chunk a pass in the
+    encoder and replayed one at a time in the decoder (a decode step then waits on one chunk's or
+    one replay's work, not on several prompts'); each request's tokens are those it gets alone."""
+    supervisor = start(root, "beside-decoding")
+    prompts = [ids(n, 60 + n) for n in (50, 45, 61)]
+    try:
+        encoder, decoder = supervisor.peer("encoder"), supervisor.peer("decoder")
+        (peer, request), = send_all(supervisor, [SHORT], 9400, 160)
+        first = []
+        while len(first) < 2:
+            first.append(peer.receive(request.request_id)[0].token)
+        before = encoder.ping().counters, decoder.ping().counters
+        joined = send_all(supervisor, prompts, 9401, 4)
+        together = {}
+        for other, sent in joined:
+            tokens = []
+            while not isinstance((event := other.receive(sent.request_id)[0]), m.Finished):
+                tokens.append(event.token)
+            together[sent.request_id] = tokens
+            other.close()
+        after = encoder.ping().counters, decoder.ping().counters
+        while not isinstance(peer.receive(request.request_id)[0], m.Finished):
+            pass
+        peer.close()
+        chunks, passes = (after[0][k] - before[0][k] for k in ("prefill_batched_chunks", "prefill_batches"))
+        replays, replay_passes = (after[1][k] - before[1][k] for k in ("batched_replays", "replay_batches"))
+        assert chunks == passes >= 3 * 3 and replays == replay_passes == 3, (before, after)
+        encoder.close()
+        decoder.close()
+        assert_idle(supervisor)
+        for i, prompt in enumerate(prompts):
+            assert tokens_of(supervisor, prompt, 4) == together[9401 + i], i
+    finally:
+        supervisor.stop()
+
+
 def test_decoder_replays_wait_for_the_inbox_and_a_release_answers_a_waiting_one(tmp_path):
     """The decoder holds `ced` replays while more messages wait in its inbox, then runs them as one
     batch: each answer has the logits of the same prefill in process. A Release of a held replay

@@ -29,6 +29,7 @@ from dsv41.model.cache import DecodeCache
 from dsv41.model.vision import ImageSpan
 
 REPLAY_BATCH = 4  # `ced` decoder replays run as one batch (the encoder batches as many prompts' chunks)
+# while no request decodes; a batched step takes one, so that its delay is one replay's work
 STEP_WAIT_S = 0.5  # the longest a replay waits for the batched step the encoder said follows it
 
 
@@ -137,16 +138,18 @@ class DecoderComponent(Component):
         reply(*self._replayed(message.request_id, seq, logits, targets))
 
     def _replay(self) -> None:
-        """Run up to REPLAY_BATCH waiting replays as one batch and answer each; if the batch fails,
-        each of its prefills fails (its sequence dropped) and the component goes on."""
+        """Run up to REPLAY_BATCH waiting replays as one batch (one while a request decodes) and
+        answer each; if the batch fails, each of its prefills fails (its sequence dropped) and the
+        component goes on."""
+        most = 1 if len(self.sequences) > len(self.replays) else REPLAY_BATCH  # sequences past their replay decode
         with contextlib.suppress(Exception):  # the batch's prefills have failed; the component goes on
-            self._with_replays(lambda replays: (self.core.decoder_replays(replays), None))
+            self._with_replays(lambda replays: (self.core.decoder_replays(replays), None), most)
 
-    def _with_replays(self, run):
-        """Take up to REPLAY_BATCH waiting replays, `run(replays)` -> (their results, other), answer
-        each, return other. If `run` fails, each of them fails (its sequence dropped) and the error
-        is raised on."""
-        batch = list(self.replays.items())[:REPLAY_BATCH]
+    def _with_replays(self, run, most: int = REPLAY_BATCH):
+        """Take up to `most` waiting replays, `run(replays)` -> (their results, other), answer each,
+        return other. If `run` fails, each of them fails (its sequence dropped) and the error is
+        raised on."""
+        batch = list(self.replays.items())[:most]
         for rid, _ in batch:
             del self.replays[rid]
         try:
@@ -222,8 +225,8 @@ class DecoderComponent(Component):
             starts = [message.starts[i] for i in keep]
             replays = len(self.replays)
             logits, hidden = self._with_replays(lambda waiting: self.core.decode_batch(waiting, seqs, x, pre_mix,
-                                                                                       starts, sizes))
-            self.counters["replays_beside_steps"] += min(replays, REPLAY_BATCH)
+                                                                                       starts, sizes), most=1)
+            self.counters["replays_beside_steps"] += min(replays, 1)
             logits, hidden = torch.cat(logits), torch.cat(hidden)
             self.counters.update(batches=1, step_tokens=sum(sizes),
                                  decoder_layer_tokens=sum(sizes) * len(self.core.decoder))

@@ -36,6 +36,8 @@ LOOKUP_TIMEOUT_S = 5.0  # a lookup hashes the prompt and probes keys: slower mea
 STORE_TIMEOUT_S = 30.0  # block reads and writes move up to hundreds of MB
 DECODER_WAIT_S = 0.05  # an idle loop's wait for the decoder's replies; a message in the inbox ends it at once
 PREFILL_BATCH = 4  # prompt chunks of different prefills run as one batch (each at most generation.chunk_size)
+# ... while no request decodes: beside decoding requests a pass takes one chunk, so that their next step
+# waits on at most one chunk's work (generation.chunk_size is the prefill's share of a step)
 
 
 class EngramMailbox:
@@ -193,7 +195,7 @@ class EncoderComponent(Component):
         if self.inbox_size() and not job.pending.replay:
             return False  # a message waits (a batched step, mostly): the chunks join the step (`_batch_step`)
         batch = [rid]
-        if not job.pending.replay:
+        if not job.pending.replay and not self._decoding():
             batch += self._joining(PREFILL_BATCH - 1, but=rid)
         try:
             with torch.inference_mode(), page_capacity():
@@ -208,6 +210,11 @@ class EncoderComponent(Component):
         for r, result in zip(batch, results, strict=True):
             self._resume(r, result)
         return True
+
+    def _decoding(self) -> bool:
+        """Whether some request decodes: a sequence held past its prefill (every prefill waiting
+        here is started, and holds one, by the time a pass is put together)."""
+        return len(self.sequences) > len(self.jobs)
 
     def _joining(self, count: int, but: int = 0) -> list[int]:
         """Up to `count` prefills (oldest first, other than `but`) whose next work is a prompt chunk
@@ -482,10 +489,10 @@ class EncoderComponent(Component):
             answer, errors=errors + list(answer.errors)))
 
     def _encode_with_chunks(self, seqs: list[Sequence], tokens: list[list[int]], fetches: list):
-        """A batched step's encoder half, with the prompt chunks that wait (up to PREFILL_BATCH) in
-        the same pass; the prefills go on with their results (a finished one sends its decoder half).
-        If the pass fails, those prefills fail with it."""
-        joining = self._joining(PREFILL_BATCH)
+        """A batched step's encoder half, with the oldest waiting prompt chunk in the same pass (one:
+        a step's delay is bounded by one chunk's work); the prefills go on with their results (a
+        finished one sends its decoder half). If the pass fails, those prefills fail with it."""
+        joining = self._joining(1 if seqs else PREFILL_BATCH)
         try:
             results, stepped = self.core.encode_batch([self.jobs[r].pending for r in joining], seqs, tokens, fetches)
         except Exception as e:
