@@ -141,9 +141,13 @@ class DecoderComponent(Component):
         """Run up to REPLAY_BATCH waiting replays as one batch (one while a request decodes) and
         answer each; if the batch fails, each of its prefills fails (its sequence dropped) and the
         component goes on."""
-        most = 1 if len(self.sequences) > len(self.replays) else REPLAY_BATCH  # sequences past their replay decode
+        most = 1 if self._decoding() else REPLAY_BATCH
         with contextlib.suppress(Exception):  # the batch's prefills have failed; the component goes on
             self._with_replays(lambda replays: (self.core.decoder_replays(replays), None), most)
+
+    def _decoding(self) -> bool:
+        """Whether some request decodes: a sequence held past its replay."""
+        return len(self.sequences) > len(self.replays)
 
     def _with_replays(self, run, most: int = REPLAY_BATCH):
         """Take up to `most` waiting replays, `run(replays)` -> (their results, other), answer each,

@@ -492,7 +492,7 @@ class EncoderComponent(Component):
         """A batched step's encoder half, with the oldest waiting prompt chunk in the same pass (one:
         a step's delay is bounded by one chunk's work); the prefills go on with their results (a
         finished one sends its decoder half). If the pass fails, those prefills fail with it."""
-        joining = self._joining(1 if seqs else PREFILL_BATCH)
+        joining = self._joining(1)  # a step always steps decoding requests
         try:
             results, stepped = self.core.encode_batch([self.jobs[r].pending for r in joining], seqs, tokens, fetches)
         except Exception as e:
