@@ -309,6 +309,43 @@ def test_batched_decode_entries_and_selection_equal_the_per_sequence_path(rng, m
         assert torch.equal(got, want)
 
 
+def test_decode_picks_made_from_the_scored_entries_equal_torchs_picks_of_full_rows(micro, rng, monkeypatch):
+    """Past k * 64 entries (512 on `micro`) a decode step's picks come from `cpu_topk`'s loop over
+    the scored entries (a Full layer's row and a Reindex layer's candidate pool), not from torch's
+    top-k of the full-width row. Batched steps of three long sequences must give the logits of
+    each sequence stepped alone with torch ranking every full row."""
+    from dsv41.kernels import cpu_topk
+    from dsv41.model import attention
+
+    core = InferenceCore(micro)
+    prompts = [_prompt(rng, n) for n in (1040, 1100, 1180)]
+
+    def run() -> list[torch.Tensor]:
+        seqs = [core.prefill(ids, capacity=len(ids) + 8, packed=True)[0] for ids in prompts]
+        rows, tokens = [], [[3 + i] for i in range(len(seqs))]
+        for _ in range(4):
+            out = core.step_batch(seqs, tokens)
+            rows += out
+            tokens = [[int(logits[-1].argmax())] for logits in out]
+        for seq in seqs:
+            core.release(seq)
+        return rows
+
+    dense = []
+    loop = cpu_topk.sparse_row_pick
+    monkeypatch.setattr(cpu_topk, "sparse_row_pick", lambda *a: dense.append(a[2]) or loop(*a))
+    with torch.inference_mode():
+        picked = run()
+        assert True in dense and False in dense, "no Full row or no candidate pool went through the loop"
+        monkeypatch.setattr(attention.Attention, "_select_batch", lambda self, parts, query: None)
+        monkeypatch.setattr(attention, "sparse_pick_serves", lambda *a: False)
+        dense.clear()
+        ranked = run()
+    assert not dense
+    for got, want in zip(picked, ranked, strict=True):
+        assert torch.equal(got, want)
+
+
 def _assert_same_bits(alone: list, batched: list, alone_seqs: list, batched_seqs: list) -> None:
     """Every output, counter and SWA ring of the batched run is the alone run's, bit for bit."""
     for want, got in zip(alone, batched, strict=True):

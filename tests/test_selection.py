@@ -1,12 +1,15 @@
 """`selection.untied_topk` (one top-k and a comparison pass) against what it stands in for: a
-second top-k of k + 1 for the tie test, and the fixed-policy set for rows without a tie."""
+second top-k of k + 1 for the tie test, and the fixed-policy set for rows without a tie; and
+`selection.official_pick` (torch's pick of a mostly -inf row, made by `cpu_topk` from the scored
+places alone) against torch's top-k of the built row."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dsv41.kernels.selection import official_topk, topk_entries, untied_topk
+from dsv41.kernels import cpu_topk, selection
+from dsv41.kernels.selection import official_pick, official_topk, topk_entries, untied_topk
 
 
 def _tied_by_second_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,3 +66,53 @@ def test_ties_at_zero_count_both_zeros():
     assert torch.equal(tied, _tied_by_second_topk(scores, 3))
     untied = torch.tensor([[3.0, 0.0, 2.0, -1.0, -2.0]]).bfloat16()
     assert not untied_topk(untied, 3)[1].any()
+
+
+def _built_row(scores: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+    row = torch.full((1, width), -torch.inf, dtype=scores.dtype)
+    row[0, positions] = scores
+    return row
+
+
+@pytest.mark.parametrize("levels", [3, 20, 5000])
+def test_official_pick_from_the_scored_places_is_torchs_pick_of_the_built_row(rng, levels, monkeypatch):
+    """Rows of few score levels (the k-th place tied in nearly every row) to many, scored at every
+    place (a full-range row) or at a few ascending ones (a candidate pool, its unused ids -1 last),
+    with -inf, +0 and -0 among the scores: the loop's pick is the ids torch's top-k keeps on the
+    row built in full, for k where torch ranks by partial sort (k * 64 <= width) and below it,
+    where the row is built and ranked by torch."""
+    assert selection._sparse_pick_matches_torch()  # this machine's torch picks as the loop does
+    calls = []
+    loop = cpu_topk.sparse_row_pick
+    monkeypatch.setattr(cpu_topk, "sparse_row_pick", lambda *a: calls.append(a[2]) or loop(*a))
+    for width, scored, k in ((4096, 4096, 64), (40000, 40000, 512), (70001, 3000, 512), (40000, 700, 512),
+                             (9000, 9000, 512), (9000, 900, 512)):
+        positions = torch.randperm(width, generator=rng)[:scored].sort().values
+        scores = (torch.randint(0, levels, (scored,), generator=rng).float() / levels - 0.5).bfloat16()
+        scores[torch.randint(0, scored, (scored // 50,), generator=rng)] = -torch.inf
+        scores[torch.randint(0, scored, (scored // 50,), generator=rng)] = -0.0
+        want = official_topk(_built_row(scores, positions, width), k)[0]
+        padded = torch.cat([positions, torch.full((7,), -1)])
+        got = official_pick(torch.cat([scores, torch.zeros(7).bfloat16()]), padded, width, k)
+        assert torch.equal(got, want), (width, scored, k)
+        if scored == width:
+            assert torch.equal(official_pick(scores, None, width, k), want)
+    assert True in calls and False in calls  # both kinds of row went through the loop
+    assert len(calls) == 6  # ... and only where torch ranks by partial sort
+
+
+def test_official_pick_hands_back_rows_the_loop_cannot_rank(rng):
+    """A NaN among the scores, or positions that do not ascend: the loop declines, and the pick is
+    torch's on the built row all the same."""
+    width, k = 40000, 512
+    positions = torch.randperm(width, generator=rng)[:5000].sort().values
+    scores = torch.randn(5000, generator=rng).bfloat16()
+    scores[1234] = torch.nan
+    assert selection._loop_pick(scores, positions, k) is None
+    want = official_topk(_built_row(scores, positions, width), k)[0]
+    assert torch.equal(official_pick(scores, positions, width, k), want)
+    scores[1234] = 0.5
+    shuffled = positions.clone()
+    shuffled[[10, 11]] = shuffled[[11, 10]]
+    assert selection._loop_pick(scores, shuffled, k) is None
+    assert selection._loop_pick(scores, positions, k) is not None

@@ -14,8 +14,12 @@ place the choice decides which entries are attended. Two policies:
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
+from dsv41.kernels import cpu_loops, cpu_topk
 from dsv41.model import numerics
 
 
@@ -39,6 +43,56 @@ def official_topk(scores: torch.Tensor, k: int, by_value: bool = False) -> torch
     if numerics.is_stable():
         return topk_entries(scores, k)
     return scores.topk(k, dim=-1, sorted=by_value).indices.sort(dim=-1).values
+
+
+def sparse_pick_serves(scores: torch.Tensor, total: int, k: int) -> bool:
+    """Whether `cpu_topk.sparse_row_pick` makes the official pick of k from a row `total` wide:
+    bf16 CPU scores outside stable numerics, a row where torch selects by partial sort (k * 64 <=
+    total), and a machine whose torch picks as the loop does on random rows full of ties."""
+    return (not numerics.is_stable() and scores.dtype == torch.bfloat16 and cpu_loops.serves(scores)
+            and k > 0 and k * 64 <= total and _sparse_pick_matches_torch())
+
+
+def official_pick(scores: torch.Tensor, positions: torch.Tensor | None, total: int, k: int) -> torch.Tensor:
+    """`official_topk` of k from the row `total` wide that holds scores [n] at positions [n]
+    (ascending entry ids, -1 unused; None: scores is the row's start) and -inf elsewhere: ids [k],
+    ascending. Where `sparse_pick_serves`, the loop ranks the scored places alone; otherwise the
+    row is built."""
+    if sparse_pick_serves(scores, total, k):
+        picked = _loop_pick(scores, positions, k)
+        if picked is not None:
+            return picked
+    if positions is None:
+        positions = torch.arange(scores.size(-1))
+    row = torch.full((1, total + 1), -torch.inf, dtype=scores.dtype)
+    row = row.scatter(-1, torch.where(positions >= 0, positions, total).long().unsqueeze(0), scores.unsqueeze(0))
+    return official_topk(row[:, :total], k)[0]
+
+
+def _loop_pick(scores: torch.Tensor, positions: torch.Tensor | None, k: int) -> torch.Tensor | None:
+    """`cpu_topk.sparse_row_pick` of bf16 scores [n]; None where it hands the row back."""
+    out = np.empty(k, np.int64)
+    dense = positions is None
+    where = np.empty(0, np.int64) if dense else positions.long().numpy()
+    return torch.from_numpy(out) if cpu_topk.sparse_row_pick(scores.view(torch.int16).numpy(), where, dense, k, out) \
+        else None
+
+
+@functools.cache
+def _sparse_pick_matches_torch() -> bool:
+    """Whether the loop's picks are torch's on this machine: rows of a few score levels (ties at the
+    k-th place in nearly every row), scored everywhere or at a few places, at two k."""
+    generator = torch.Generator().manual_seed(0)
+    for width, scored, k in ((4096, 4096, 64), (40000, 40000, 512), (70000, 3000, 512), (33000, 600, 512)):
+        positions = torch.randperm(width, generator=generator)[:scored].sort().values
+        scores = (torch.randint(0, 9, (scored,), generator=generator).float() / 4 - 1).bfloat16()
+        row = torch.full((1, width), -torch.inf, dtype=torch.bfloat16)
+        row[0, positions] = scores
+        want = official_topk(row, k)[0]
+        for picked in (_loop_pick(scores, positions, k), _loop_pick(row[0], None, k)):
+            if picked is None or not torch.equal(picked, want):
+                return False
+    return True
 
 
 def untied_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

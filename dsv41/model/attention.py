@@ -18,7 +18,7 @@ from torch import nn
 
 from dsv41.config import LayerSpec, Mode, TextConfig
 from dsv41.kernels import cpu_projections, dispatch
-from dsv41.kernels.selection import official_topk, topk_entries, untied_topk
+from dsv41.kernels.selection import official_pick, official_topk, sparse_pick_serves, topk_entries, untied_topk
 from dsv41.kernels.torch_ops import candidate_entries, distinct_ids, pool_mask, sparse_attention, weighted_head_sums
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
@@ -728,6 +728,12 @@ class Attention(nn.Module):
                 part.candidates = candidate_entries(scores[i : i + 1, : int(totals[i])].unsqueeze(1), int(totals[i]),
                                                     self.candidate_blocks, self.candidate_size)
                 part.candidate_source = spec.layer_id
+        if all(sparse_pick_serves(scores, int(total), k) for total in totals):
+            # each row's official pick from its scored places (the rows are wider than k * 64)
+            picks = [official_pick(scores[i], ids[i], total, k) if spec.candidate_consumer  # a pool's places
+                    else official_pick(scores[i, :total], None, total, k)  # entries 0 to total - 1
+                    for i, total in enumerate(totals.tolist())]
+            return torch.stack(picks).unsqueeze(1).int()
         # ids ascend along each row, unused (-1) ones last: the picked columns, in ascending order,
         # are the picked entries in ascending order with any unused ones after them
         if numerics.is_stable():
@@ -746,9 +752,7 @@ class Attention(nn.Module):
         """A decode row whose k-th place is tied: the official top-k over the full-width row the
         per-sequence path scores (entries outside ids at -inf), since which tied entry it keeps
         depends on that row. scores, ids [n] -> index_topk ids, ascending, -1 unused."""
-        row = torch.full((1, total + 1), -torch.inf, dtype=scores.dtype)
-        row = row.scatter(-1, torch.where(ids >= 0, ids, total).long().unsqueeze(0), scores.unsqueeze(0))[:, :total]
-        picked = official_topk(row, min(self.indexer.topk, total))[0]
+        picked = official_pick(scores, ids, total, min(self.indexer.topk, total))
         return F.pad(picked, (0, self.indexer.topk - picked.size(-1)), value=-1)
 
     def _global_branch(self, x, qr, table, shared: SharedAttention, query=None, produce: bool = True) -> torch.Tensor:
@@ -875,6 +879,8 @@ class Attention(nn.Module):
         scores = scores.masked_fill(ids < 0, -torch.inf)
         if numerics.is_stable():
             picked = ids.gather(-1, topk_entries(scores, k))  # ids ascend: the fixed policy's ties
+        elif sparse_pick_serves(scores, total, k):
+            picked = torch.stack([official_pick(row, mine, total, k) for row, mine in zip(scores, ids, strict=True)])
         else:
             best, tied = untied_topk(scores, k)
             picked = ids.gather(-1, best)
