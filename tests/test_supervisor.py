@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +60,51 @@ def test_stop_tells_every_component_before_waiting_for_any(root):
     order = list(reversed(launch.COMPONENTS))
     assert calls == [("request_stop", n) for n in order] + [("wait_stopped", n) for n in order]
     assert supervisor.children == {}
+
+
+class _SilentAfterCrash(_RecordingChild):
+    """Has exited when the supervisor first looks; once restarted it runs but never answers."""
+
+    def __init__(self, name: str, calls: list[tuple[str, str]]):
+        super().__init__(name, calls)
+        self.running = False
+
+    def exit_code(self) -> int | None:
+        return None if self.running else 1
+
+    def start(self) -> None:
+        self.running = True
+        self.calls.append(("start", self.name))
+
+    def last_lines(self, n: int = 12) -> str:
+        return ""
+
+
+def test_stop_during_a_restart_ends_the_restart_without_an_error(root, monkeypatch):
+    """A component killed mid-request is being restarted (the supervisor pings it until ready)
+    when the pipeline stops: the restart ends quietly, nothing is started after the stop, and the
+    watcher thread raises nothing (it used to look the component up after `stop` had emptied the
+    table: a KeyError in the supervisor thread)."""
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    pipeline = with_overrides(pipeline_for("process", root), supervisor={"backoff_s": 0.01, "ready_timeout_s": 60.0})
+    supervisor = Supervisor(pipeline, root / "run")
+    calls: list[tuple[str, str]] = []
+    supervisor.children = {name: _RecordingChild(name, calls) for name in launch.COMPONENTS}
+    for child in supervisor.children.values():
+        child.exit_code = lambda: None
+    supervisor.children["dspark"] = _SilentAfterCrash("dspark", calls)
+    supervisor._watcher = threading.Thread(target=supervisor._watch, name="dsv41-supervisor", daemon=True)
+    supervisor._watcher.start()
+    deadline = time.monotonic() + 30
+    while ("start", "dspark") not in calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ("start", "dspark") in calls
+    time.sleep(0.3)  # the restart is waiting for an answer
+    supervisor.stop()
+    assert not supervisor._watcher.is_alive()
+    assert errors == []
+    assert calls.count(("start", "dspark")) == 1 and calls[-1] == ("wait_stopped", launch.COMPONENTS[0])
 
 
 def test_a_component_that_fails_to_start_is_reported_with_its_log(root):

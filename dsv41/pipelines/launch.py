@@ -209,14 +209,20 @@ class Supervisor:
                               "or another --runtime-dir") from None
 
     def wait_ready(self, name: str, deadline: float) -> None:
-        """Ping until the component answers; a component that exits or stays silent is an error."""
+        """Ping until the component answers; a component that exits or stays silent is an error.
+        Returns once the pipeline is stopping: `stop` ends a restart's wait (and empties
+        `children` while it may still run)."""
+        child = self.children.get(name)
+        if child is None:  # stopped already
+            return
         peer = Peer(self.endpoints[name], name, self._keys_dir(), timeout_s=1.0)
         try:
             while time.monotonic() < deadline:
-                code = self.children[name].exit_code()
+                if self._stopping.is_set():
+                    return
+                code = child.exit_code()
                 if code is not None:
-                    raise LaunchError(f"{name} exited with code {code} while starting:\n"
-                                      f"{self.children[name].last_lines()}")
+                    raise LaunchError(f"{name} exited with code {code} while starting:\n{child.last_lines()}")
                 try:
                     peer.ping(timeout_s=min(1.0, max(0.05, deadline - time.monotonic())))
                     self.log(f"{name} ready")
@@ -258,7 +264,10 @@ class Supervisor:
         history.append(now)
         if self._stopping.wait(delay):
             return
-        child.start()
+        with self._lock:  # never started after `stop` has told the components to stop
+            if self._stopping.is_set():
+                return
+            child.start()
         try:
             self.wait_ready(name, time.monotonic() + spec.ready_timeout_s)
         except LaunchError as e:
