@@ -314,7 +314,7 @@ def test_decode_picks_made_from_the_scored_entries_equal_torchs_picks_of_full_ro
     the scored entries (a Full layer's row and a Reindex layer's candidate pool), not from torch's
     top-k of the full-width row. Batched steps of three long sequences must give the logits of
     each sequence stepped alone with torch ranking every full row."""
-    from dsv41.kernels import cpu_topk
+    from dsv41.kernels import cpu_topk, selection
     from dsv41.model import attention
 
     core = InferenceCore(micro)
@@ -339,6 +339,7 @@ def test_decode_picks_made_from_the_scored_entries_equal_torchs_picks_of_full_ro
         assert True in dense and False in dense, "no Full row or no candidate pool went through the loop"
         monkeypatch.setattr(attention.Attention, "_select_batch", lambda self, parts, query: None)
         monkeypatch.setattr(attention, "sparse_pick_serves", lambda *a: False)
+        monkeypatch.setattr(selection, "sparse_pick_serves", lambda *a: False)  # a tied pool's row built too
         dense.clear()
         ranked = run()
     assert not dense

@@ -74,8 +74,8 @@ def _loop_pick(scores: torch.Tensor, positions: torch.Tensor | None, k: int) -> 
     out = np.empty(k, np.int64)
     dense = positions is None
     where = np.empty(0, np.int64) if dense else positions.long().numpy()
-    return torch.from_numpy(out) if cpu_topk.sparse_row_pick(scores.view(torch.int16).numpy(), where, dense, k, out) \
-        else None
+    ranked = cpu_topk.sparse_row_pick(scores.view(torch.int16).numpy(), where, dense, k, out)
+    return torch.from_numpy(out) if ranked else None
 
 
 @functools.cache

@@ -884,12 +884,10 @@ class Attention(nn.Module):
         else:
             best, tied = untied_topk(scores, k)
             picked = ids.gather(-1, best)
-            if bool(tied.any()):
-                # the official top-k runs over the full-width row, and which tied entry it keeps
-                # depends on that row: rebuild it (entries outside the pool at -inf) and rank it
-                row = torch.full((x.size(0), total + 1), -torch.inf, dtype=scores.dtype)
-                row = row.scatter(-1, torch.where(ids >= 0, ids, total).long(), scores)[:, :total]
-                picked = official_topk(row, k)
+            for i in tied.nonzero().flatten().tolist():
+                # the official top-k runs over the full-width row (entries outside the pool at
+                # -inf), and which tied entry it keeps depends on that row
+                picked[i] = official_pick(scores[i], ids[i], total, k)
         return F.pad(picked, (0, self.indexer.topk - k), value=-1).unsqueeze(1).int()
 
     def _count_scored(self, scores: torch.Tensor, shared: SharedAttention) -> None:
