@@ -4,8 +4,9 @@ In one run on `mini`: (1) the in-process core's decode step time after a `ced` p
 same request through the `local` pipeline (six processes over ipc://), its decode time per token;
 (3) the round trip of one hop carrying a 4 x hidden bf16 activation (mini's 256 and the official
 4096) to a component in another process, and of a ping; (4) the Engram prefetch lead: how long
-the rows were ready before the encoder needed them (prefill and decode), from the encoder's
-counters. The overhead share is (pipeline - in-process) / in-process step time; goal <= 5 %.
+the prompt's rows were ready before the encoder needed them, from the encoder's counters (a decode
+step's rows are looked up by the encoder unless the engram option `prefetch_steps` is set). The
+overhead share is (pipeline - in-process) / in-process step time; goal <= 5 %.
 Writes benchmarks/results/ipc.json.
 Usage: python benchmarks/ipc.py [--prompt-tokens 256] [--new-tokens 32] [--hops 2000]
 """

@@ -420,6 +420,43 @@ def test_dspark_names_its_decoder_connection_only_while_the_decoder_holds_it(run
     assert named[0].startswith(b"dspark-") and len(named[0]) == len(b"dspark-") + 16
 
 
+@pytest.mark.parametrize("prefetch_steps", [False, True])
+def test_dspark_pushes_a_prompts_engram_rows_and_a_steps_only_when_asked(running, prefetch_steps):
+    """dspark asks the engram component for a prompt's rows; a decode step's (one token's) only
+    with `prefetch_steps`, and each step tells the encoder whether it did (otherwise the encoder
+    looks the rows up itself, which costs less than the messages on a 2-core machine)."""
+    r = running("dspark", engram={"prefetch_steps": prefetch_steps})
+    r.stand_in("tokenizer", lambda message, frames: (
+        m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None))
+    engram = r.stand_in("engram", lambda message, frames: None)
+    flags = []
+
+    def encoder(message, frames):
+        out = m.Frames()
+        if isinstance(message, m.Release):
+            return m.Ack(request_id=message.request_id), None
+        logits = torch.zeros(1, 320)
+        logits[0, 12] = 1.0
+        if isinstance(message, m.Prefill):
+            flags.append(("prefill", message.engram_prefetch))
+            return m.Logits(request_id=message.request_id, logits=out.add(logits)), out
+        flags.extend(("step", item.engram_prefetch) for item in message.items)
+        ids = [item.request_id for item in message.items]
+        return m.BatchLogits(request_id=message.request_id, request_ids=ids, sizes=[1] * len(ids),
+                             logits=out.add(logits.expand(len(ids), -1).contiguous())), out
+
+    r.stand_in("encoder", encoder)
+    r.stand_in("decoder", lambda message, frames: None)
+    peer = r.start()
+    events = list(peer.stream(m.Generate(request_id=_rid(), prompt="hello", max_new_tokens=4)))
+    assert [e.token for e in events[:-1]] == [12] * 4
+    assert flags == [("prefill", True)] + [("step", prefetch_steps)] * 3
+    _wait_for(lambda: len(engram.received) == 1 + 3 * prefetch_steps)
+    asked = [message for message, _ in engram.received]
+    assert all(isinstance(message, m.EngramPrefetch) for message in asked)
+    assert [message.start for message in asked] == [0] + [5, 6, 7][: 3 * prefetch_steps]
+
+
 def test_dspark_schedules_decoding_and_fails_requests_alone(running):
     r = running("dspark", engram={"prefetch": False})
     r.stand_in("tokenizer", lambda message, frames: (

@@ -277,7 +277,8 @@ def test_component_options_are_checked_by_name_type_and_range(tmp_path):
     found = [line.split("p.yaml:", 1)[1] for line in problems(tmp_path, text)]
     assert found == [
         "6: components.engram.options.rows_timeout_s: expected `float` <= 600.0 (value inf)",
-        "6: components.engram.options.colour: unknown field; expected one of threads, prefetch, tables, rows_timeout_s",
+        "6: components.engram.options.colour: unknown field; expected one of threads, prefetch, prefetch_steps, "
+        "tables, rows_timeout_s",
         "6: components.engram.options.tables: expected `str`, got `null` (value None)",
         "7: components.encoder.options.threads: expected `int` >= 1 (value -1)",
         "7: components.encoder.options.kv_pages: expected `int` >= 1 (value -5)",

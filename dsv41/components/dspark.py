@@ -129,6 +129,7 @@ class DSparkComponent(Component):
         self.vocab_size = config.text_config.vocab_size
         self.lookback = config.text_config.engram_max_ngram_size - 1
         self.prefetch = bool(context.option("engram", "prefetch", True)) and bool(config.text_config.engram_layer_ids)
+        self.prefetch_steps = self.prefetch and bool(context.option("engram", "prefetch_steps", False))
         self.tokenizer, self.encoder = context.peer("tokenizer"), context.peer("encoder")
         # the decoder answers batched steps on this connection, past the encoder, once it holds it
         self.decoder = context.peer("decoder", routing_id=f"dspark-{os.urandom(8).hex()}".encode())
@@ -479,22 +480,28 @@ class DSparkComponent(Component):
 
     def _step_item(self, request: Request, plan: Plan | None = None) -> m.StepItem:
         """The request's next step from where its last one left it (after a partly rejected block:
-        after the accepted tokens). Plain: its last token, with the Engram rows pushed ahead. With
-        a plan: the last token and the drafts to verify (the encoder looks their Engram rows up
-        itself: a cut position's pushed rows would be stale)."""
+        after the accepted tokens). Plain: its last token, its Engram rows pushed ahead with the
+        engram option `prefetch_steps`, else looked up by the encoder. With a plan: the last token
+        and the drafts to verify (the encoder looks their Engram rows up itself: a cut position's
+        pushed rows would be stale)."""
         token, rid = request.generated[-1], request.internal_id
         start, request.resume = request.resume, -1
         if plan is not None:
             return m.StepItem(request_id=rid, ids=m.pack_ids([token, *plan.drafts]), start=start,
                               verify=bool(plan.drafts))
+        prefetched = self.prefetch_steps and self._prefetch_step(request)
+        return m.StepItem(request_id=rid, ids=m.pack_ids([token]), engram_prefetch=prefetched, start=start)
+
+    def _prefetch_step(self, request: Request) -> bool:
+        """Ask for the Engram rows of the request's next step (its last token, with the look-back
+        before it); False where the encoder must look them up itself."""
         position = request.prompt_tokens + len(request.generated) - 1
         window = request.generated[max(0, len(request.generated) - self.lookback - 1):]
         if len(window) <= self.lookback:
             window = request.ids[max(0, request.prompt_tokens - (self.lookback + 1 - len(window))):] + window
         offset = position + 1 - len(window)
-        prefetched = offset >= request.text_from and self._prefetch(
-            m.EngramPrefetch(request_id=rid, ids=m.pack_ids(window), offset=offset, start=position))
-        return m.StepItem(request_id=rid, ids=m.pack_ids([token]), engram_prefetch=prefetched, start=start)
+        return offset >= request.text_from and self._prefetch(
+            m.EngramPrefetch(request_id=request.internal_id, ids=m.pack_ids(window), offset=offset, start=position))
 
     def _emit(self, request: Request, logits: torch.Tensor) -> None:
         token = int(sample_next(logits.unsqueeze(0), request.sampling, request.generator)[0])

@@ -141,8 +141,11 @@ class ModelOptions(CommonOptions, frozen=True, kw_only=True):
 class EngramOptions(CommonOptions, frozen=True, kw_only=True):
     """Options of the engram component (rows_timeout_s is read by the encoder, which waits for the rows)."""
 
-    # push rows ahead of the encoder's need; false: the encoder looks them up itself
+    # push a prompt's rows ahead of the encoder's need; false: the encoder looks them up itself
     prefetch: bool = True
+    # push each decode step's rows too (one token's: the encoder's own lookup costs less than the
+    # messages, docs/system.md)
+    prefetch_steps: bool = False
     # safetensors file of the Engram tables; needed with a checkpoint, written once for random weights
     tables: str = ""
     # seconds the encoder waits for pushed rows before looking them up itself
