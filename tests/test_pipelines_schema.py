@@ -79,7 +79,7 @@ def test_inproc_runs_threads_on_inproc_endpoints():
 def test_epd_binds_distinct_loopback_ports_without_keys():
     p = load_pipeline("epd")
     assert p.security.keys_dir is None
-    ports = {c: f"tcp://127.0.0.1:{port}" for c, port in zip(COMPONENTS, range(57310, 57316), strict=True)}
+    ports = {c: f"tcp://127.0.0.1:{port}" for c, port in zip(COMPONENTS, range(29310, 29316), strict=True)}
     assert resolve_endpoints(p, Path("/unused")) == ports
 
 
