@@ -380,6 +380,26 @@ def test_encoder_hands_the_decoder_the_in_process_encoder_output(running, model,
     assert counters["store_unavailable"] >= 1 and counters["engram_fallbacks"] == 1
 
 
+def _token_12_encoder(seen: list):
+    """A stand-in encoder that answers every prefill and batched step with token 12 (one-hot
+    logits over `micro`'s 320 ids) and keeps each of those messages in `seen`."""
+
+    def answer(message, frames):
+        if isinstance(message, m.Release):
+            return m.Ack(request_id=message.request_id), None
+        seen.append(message)
+        out = m.Frames()
+        logits = torch.zeros(1, 320)
+        logits[0, 12] = 1.0
+        if isinstance(message, m.Prefill):
+            return m.Logits(request_id=message.request_id, logits=out.add(logits)), out
+        ids = [item.request_id for item in message.items]
+        return m.BatchLogits(request_id=message.request_id, request_ids=ids, sizes=[1] * len(ids),
+                             logits=out.add(logits.expand(len(ids), -1).contiguous())), out
+
+    return answer
+
+
 def test_dspark_names_its_decoder_connection_only_while_the_decoder_holds_it(running, placement):
     """A step names dspark's own connection to the decoder as its reply route only once the
     decoder holds it (an inproc connection counts as held from the start); until then the route
@@ -387,29 +407,15 @@ def test_dspark_names_its_decoder_connection_only_while_the_decoder_holds_it(run
     r = running("dspark", engram={"prefetch": False})
     r.stand_in("tokenizer", lambda message, frames: (
         m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None))
-    routes = []
-
-    def encoder(message, frames):  # answers every step itself, as a relaying encoder does
-        out = m.Frames()
-        if isinstance(message, m.Release):
-            return m.Ack(request_id=message.request_id), None
-        logits = torch.zeros(1, 320)
-        logits[0, 12] = 1.0
-        if isinstance(message, m.Prefill):
-            return m.Logits(request_id=message.request_id, logits=out.add(logits)), out
-        routes.append(message.reply_to)
-        ids = [item.request_id for item in message.items]
-        return m.BatchLogits(request_id=message.request_id, request_ids=ids, sizes=[1] * len(ids),
-                             logits=out.add(logits.expand(len(ids), -1).contiguous())), out
-
-    r.stand_in("encoder", encoder)
+    seen = []
+    r.stand_in("encoder", _token_12_encoder(seen))  # answers every step itself, as a relaying encoder does
     peer = r.start()
 
     def generate(rid: int) -> list[bytes]:
-        routes.clear()
+        seen.clear()
         events = list(peer.stream(m.Generate(request_id=rid, prompt="hi", max_new_tokens=3)))
         assert [e.token for e in events[:-1]] == [12, 12, 12]
-        return list(routes)
+        return [message.reply_to for message in seen if isinstance(message, m.BatchStep)]
 
     if placement == "process":  # no decoder listens yet: nothing to route to
         assert generate(1) == [b"", b""]
@@ -429,28 +435,15 @@ def test_dspark_pushes_a_prompts_engram_rows_and_a_steps_only_when_asked(running
     r.stand_in("tokenizer", lambda message, frames: (
         m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None))
     engram = r.stand_in("engram", lambda message, frames: None)
-    flags = []
-
-    def encoder(message, frames):
-        out = m.Frames()
-        if isinstance(message, m.Release):
-            return m.Ack(request_id=message.request_id), None
-        logits = torch.zeros(1, 320)
-        logits[0, 12] = 1.0
-        if isinstance(message, m.Prefill):
-            flags.append(("prefill", message.engram_prefetch))
-            return m.Logits(request_id=message.request_id, logits=out.add(logits)), out
-        flags.extend(("step", item.engram_prefetch) for item in message.items)
-        ids = [item.request_id for item in message.items]
-        return m.BatchLogits(request_id=message.request_id, request_ids=ids, sizes=[1] * len(ids),
-                             logits=out.add(logits.expand(len(ids), -1).contiguous())), out
-
-    r.stand_in("encoder", encoder)
+    seen = []
+    r.stand_in("encoder", _token_12_encoder(seen))
     r.stand_in("decoder", lambda message, frames: None)
     peer = r.start()
     events = list(peer.stream(m.Generate(request_id=_rid(), prompt="hello", max_new_tokens=4)))
     assert [e.token for e in events[:-1]] == [12] * 4
-    assert flags == [("prefill", True)] + [("step", prefetch_steps)] * 3
+    flags = [[message.engram_prefetch] if isinstance(message, m.Prefill) else
+             [item.engram_prefetch for item in message.items] for message in seen]
+    assert flags == [[True]] + [[prefetch_steps]] * 3
     _wait_for(lambda: len(engram.received) == 1 + 3 * prefetch_steps)
     asked = [message for message, _ in engram.received]
     assert all(isinstance(message, m.EngramPrefetch) for message in asked)
