@@ -137,7 +137,7 @@ def test_python_tags_are_refused_not_executed(tmp_path, capfd):
 
 
 def test_every_problem_of_a_file_is_reported_at_once_in_file_order(tmp_path):
-    text = with_lines(VALID, seed="  seed: -1", engram="  engram: {options: {prefetch: [1]}}",
+    text = with_lines(VALID, seed="  seed: -1", engram="  engram: {options: {prefetch: [1], prefetch_steps: 2}}",
                       encoder="  encodr: {}", dspark='  dspark: {endpoint: "tcp://0.0.0.0:5555"}')
     text += "generation:\n  temprature: 0.5\n  temperature: 0.5\n  temperature: 1\n"
     found = [line.split("p.yaml:", 1)[1] for line in problems(tmp_path, text)]
@@ -146,6 +146,7 @@ def test_every_problem_of_a_file_is_reported_at_once_in_file_order(tmp_path):
         "4: components.encoder: missing component; a pipeline lists all of tokenizer, engram, encoder, decoder, "
         "dspark, kvstore",
         "6: components.engram.options.prefetch: expected `bool`, got `array` (value [1])",
+        "6: components.engram.options.prefetch_steps: expected `bool`, got `int` (value 2)",
         "7: components.encodr: unknown component; expected one of tokenizer, engram, encoder, decoder, dspark, "
         "kvstore",
         "9: components.dspark.endpoint: binding a non-loopback address ('tcp://0.0.0.0:5555') without CURVE keys is "

@@ -64,9 +64,14 @@ def official_pick(scores: torch.Tensor, positions: torch.Tensor | None, total: i
             return picked
     if positions is None:
         positions = torch.arange(scores.size(-1))
-    row = torch.full((1, total + 1), -torch.inf, dtype=scores.dtype)
-    row = row.scatter(-1, torch.where(positions >= 0, positions, total).long().unsqueeze(0), scores.unsqueeze(0))
-    return official_topk(row[:, :total], k)[0]
+    return official_topk(full_width(scores.unsqueeze(0), positions.unsqueeze(0), total), k)[0]
+
+
+def full_width(scores: torch.Tensor, positions: torch.Tensor, total: int) -> torch.Tensor:
+    """The official rows [b, total] of scores [b, n] at positions [b, n] (entry ids, -1 unused):
+    -inf at every other entry."""
+    rows = torch.full((scores.size(0), total + 1), -torch.inf, dtype=scores.dtype)
+    return rows.scatter(-1, torch.where(positions >= 0, positions, total).long(), scores)[:, :total]
 
 
 def _loop_pick(scores: torch.Tensor, positions: torch.Tensor | None, k: int) -> torch.Tensor | None:

@@ -18,7 +18,14 @@ from torch import nn
 
 from dsv41.config import LayerSpec, Mode, TextConfig
 from dsv41.kernels import cpu_projections, dispatch
-from dsv41.kernels.selection import official_pick, official_topk, sparse_pick_serves, topk_entries, untied_topk
+from dsv41.kernels.selection import (
+    full_width,
+    official_pick,
+    official_topk,
+    sparse_pick_serves,
+    topk_entries,
+    untied_topk,
+)
 from dsv41.kernels.torch_ops import candidate_entries, distinct_ids, pool_mask, sparse_attention, weighted_head_sums
 from dsv41.model import numerics
 from dsv41.model.cache import DecodeCache, GroupCache
@@ -861,8 +868,7 @@ class Attention(nn.Module):
             return dispatch.index_scores(q[:, 0], weights[:, 0], keys, rows).unsqueeze(1)
         ids = _compact(shared.candidates[:, -1])
         pool_scores = dispatch.index_scores(q[:, 0], weights[:, 0], keys, store.physical(ids))
-        scores = torch.full((x.size(0), total + 1), -torch.inf, dtype=pool_scores.dtype)
-        return scores.scatter(-1, torch.where(ids >= 0, ids, total).long(), pool_scores)[:, :total].unsqueeze(1)
+        return full_width(pool_scores, ids, total).unsqueeze(1)
 
     def _select_in_pool(self, x, qr, table, shared: SharedAttention, total: int, query=None) -> torch.Tensor | None:
         """A candidate consumer's decode step on a packed cache: only the pool's entries are scored
