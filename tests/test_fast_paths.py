@@ -17,6 +17,8 @@ from dsv41.model import attention, layers, moe
 from dsv41.model.numerics import opt_in, stable_numerics
 from dsv41.parity import FLOAT_TOLERANCE, compare, top2_gap
 
+from .test_shared_keys_attention import within_one_bf16_step_and_rarely_moved
+
 
 def _logits(core: InferenceCore, prompt: list[int], forced: list[int]) -> torch.Tensor:
     with torch.inference_mode():
@@ -27,10 +29,10 @@ def _logits(core: InferenceCore, prompt: list[int], forced: list[int]) -> torch.
     return torch.stack(rows)
 
 
-def _routed_logits(core: InferenceCore, prompt: list[int], forced: list[int], monkeypatch):
-    """The logits, and in call order every discrete choice and every output a fast path can move:
-    each router call's biased scores and chosen experts ("router"), each index selection's scores
-    and picked columns ("index"), and each attention and MoE layer's output ("output")."""
+def _routed_logits(core: InferenceCore, prompt: list[int], forced: list[int], monkeypatch, kernel: bool = False):
+    """The logits, and every discrete choice in call order: each router call's biased scores and
+    chosen experts ("router") and each index selection's scores and picked columns ("index"); with
+    `kernel`, also each attention kernel's output ("output"), the tensor the fast attention moves."""
     calls = []
     forward = moe.Gate.forward
 
@@ -48,23 +50,24 @@ def _routed_logits(core: InferenceCore, prompt: list[int], forced: list[int], mo
             return out
         return selected
 
-    layer_outputs = [m for m in core.model.modules() if isinstance(m, attention.Attention | moe.MoE)]
-    hooks = [m.register_forward_hook(lambda _m, _i, out: calls.append(("output", out, out, None)))
-             for m in layer_outputs]
-    try:
-        with monkeypatch.context() as patch:
-            patch.setattr(moe.Gate, "forward", routed)
-            patch.setattr(attention, "untied_topk", recorded(attention.untied_topk))
-            patch.setattr(attention, "official_topk", recorded(attention.official_topk))
-            return _logits(core, prompt, forced), calls
-    finally:
-        for hook in hooks:
-            hook.remove()
+    def attended(*args):
+        out = sparse_attention(*args)
+        calls.append(("output", out, out, None))
+        return out
+
+    sparse_attention = attention.sparse_attention
+    with monkeypatch.context() as patch:
+        patch.setattr(moe.Gate, "forward", routed)
+        patch.setattr(attention, "untied_topk", recorded(attention.untied_topk))
+        patch.setattr(attention, "official_topk", recorded(attention.official_topk))
+        if kernel:
+            patch.setattr(attention, "sparse_attention", attended)
+        return _logits(core, prompt, forced), calls
 
 
 def _first_flip(want_calls, got_calls):
     """(kind, the reference's scores or output, the fast run's or None, row, k) at the first
-    discrete choice or layer output that differs, or None. A choice the two runs did not both make
+    discrete choice or recorded kernel output that differs, or None. A choice the two runs did not both make
     (the reference met a tie at the k-th place and re-ranked the row officially, say) is the flip
     of the one before it."""
     for i, (want, got) in enumerate(zip(want_calls, got_calls, strict=False)):
@@ -96,13 +99,13 @@ PROMPT = {"DSV41_FAST_GEMM": 40, "DSV41_FAST_ATTENTION": 150}
                                               ("DSV41_FAST_ATTENTION", True)])
 def test_fast_path_stays_within_the_parity_policy_on_small(fast, in_place, monkeypatch, rng):
     """Three random prompts, each within the policy, or else moved by what first parted the two runs:
-    an attention or MoE output within the policy of the reference's, or a discrete choice that
-    flipped on a near tie. At a router call or index selection whose choice differs, the
-    reference's k-th and (k+1)-th scores are within the policy of each other, and for a router the
-    flipped token's scores in the fast run are within the policy of the reference's. A layer's
-    output moved within the policy can grow layer by layer beyond it: with the shared-keys
-    attention, seed 267849730 put one element of layer 2's attention output one bf16 ulp away, and
-    the logits ended 1.65 % of the scale away. About 1 % of
+    a discrete choice that flipped on a near tie, or (the shared-keys attention) a kernel output
+    moved as that kernel's own test allows, by one bf16 step at most in at most 1 % of its
+    elements. At a router call or index selection whose choice differs, the reference's k-th and
+    (k+1)-th scores are within the policy of each other, and for a router the flipped token's
+    scores in the fast run are within the policy of the reference's. One bf16 step can grow layer
+    by layer beyond the policy: at seed 267849730 one element of layer 2's attention kernel output
+    moved by one step, and the logits ended 1.65 % of the scale away. About 1 % of
     random prompts flip an expert with the fast GEMM, and their logits then end 1.6-9 % of the scale
     away (4 in 300 seeds); with the shared-keys attention one of 15 300-token prompts did so, and a
     150-token prompt can flip an index selection whose k-th place the reference holds tied (seed
@@ -114,7 +117,8 @@ def test_fast_path_stays_within_the_parity_policy_on_small(fast, in_place, monke
     vocab = model.config.text_config.vocab_size
     draw = lambda n: torch.randint(3, vocab, (n,), generator=rng).tolist()  # noqa: E731
     cases = [(draw(PROMPT[fast]), draw(6)) for _ in range(3)]
-    wants = [_routed_logits(core, prompt, forced, monkeypatch) for prompt, forced in cases]
+    kernel = fast == "DSV41_FAST_ATTENTION"
+    wants = [_routed_logits(core, prompt, forced, monkeypatch, kernel) for prompt, forced in cases]
     monkeypatch.setenv(fast, "1")
     shared_runs = []
     if fast == "DSV41_FAST_GEMM":
@@ -131,15 +135,14 @@ def test_fast_path_stays_within_the_parity_policy_on_small(fast, in_place, monke
             monkeypatch.setattr(torch_ops, "_in_place_attention",
                                 lambda *a: shared_runs.append(1) or in_place_attention(*a))
     for (prompt, forced), (want, want_calls) in zip(cases, wants, strict=True):
-        got, got_calls = _routed_logits(core, prompt, forced, monkeypatch)
+        got, got_calls = _routed_logits(core, prompt, forced, monkeypatch, kernel)
         row = compare("fast", "logits", got, want)
         if not (row.passed and row.rel <= FLOAT_TOLERANCE):
             flip = _first_flip(want_calls, got_calls)
             assert flip is not None, f"no expert or index choice flipped, yet {row.rel:.3g} of the scale away"
             kind, want_scores, got_scores, token, k = flip
             if kind == "output":
-                moved = compare("fast", "layer output", got_scores, want_scores)
-                assert moved.passed, moved
+                within_one_bf16_step_and_rarely_moved(got_scores, want_scores)
                 continue
             rows = range(want_scores.size(0)) if token is None else [token]
             gaps = [_kth_gap(want_scores[r], k) for r in rows if want_scores[r].isfinite().sum() > k]

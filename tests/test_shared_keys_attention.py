@@ -30,7 +30,7 @@ def _attention(monkeypatch, fast: str, *args) -> torch.Tensor:
         return torch_ops.sparse_attention(*args, 64**-0.5)
 
 
-def _within_one_bf16_step_and_rarely_moved(got: torch.Tensor, want: torch.Tensor) -> None:
+def within_one_bf16_step_and_rarely_moved(got: torch.Tensor, want: torch.Tensor) -> None:
     step = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(2**-30))) - 7)  # one bf16 step
     # an output that cancels to a millionth of its row keeps the fp32 error of the row's sums
     row = 2**-16 * want.float().abs().amax(dim=-1, keepdim=True)
@@ -46,7 +46,7 @@ def test_shared_keys_move_an_output_by_one_bf16_step_at_most_and_rarely(monkeypa
     monkeypatch.setattr(torch_ops, "_shared_keys_attention", lambda *a: calls.append(1) or shared(*a))
     got = _attention(monkeypatch, "1", q, kv, sink, idx)
     assert len(calls) == q.size(0)
-    _within_one_bf16_step_and_rarely_moved(got, want)
+    within_one_bf16_step_and_rarely_moved(got, want)
     assert torch.equal(got[0, 7], want[0, 7])  # no keys: zeros, as the reference gives
 
 
@@ -68,7 +68,7 @@ def test_blocks_over_the_shared_keys_limit_go_in_place_within_one_bf16_step(monk
     finally:
         torch.set_num_threads(threads)
     assert len(calls) == 2 * 2 * 2  # two sequences of two blocks, twice
-    _within_one_bf16_step_and_rarely_moved(got, want)
+    within_one_bf16_step_and_rarely_moved(got, want)
     assert torch.equal(got[0, 7], want[0, 7])
     empty = idx[..., :0]  # no index at all: the sink alone, zeros
     none = _attention(monkeypatch, "0", q, kv, sink, empty)
