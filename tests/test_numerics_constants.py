@@ -277,6 +277,45 @@ def test_rows_run_four_at_a_time_where_a_batched_product_would_sum_them_otherwis
         assert torch.equal(_bits(rows[:, i]), _bits(quant._block_products(a[:, i:i + 1], w)[:, 0]))
 
 
+def test_rows_take_only_the_places_that_sum_them_as_alone(rng, monkeypatch):
+    """Where a product sums the rows at some places otherwise than at the first (MKL's SSE4.2
+    kernels: the odd places), the rows go two to a product at the faithful places, the others zero:
+    each row's bits are its own padded product's, in any batch."""
+    from dsv41.model import quant
+
+    monkeypatch.setattr(quant, "_places_as_alone", lambda w: (0, 2))
+    monkeypatch.setattr(quant, "_many_rows_keep_bits", lambda w: False)
+    products = []
+    bmm = quant.numerics.bmm
+    monkeypatch.setattr(quant.numerics, "bmm", lambda a, w: products.append(a.clone()) or bmm(a, w))
+    a, w = torch.randn(3, 7, 32, generator=rng), torch.randn(3, 40, 32, generator=rng).transpose(1, 2)
+    rows = quant._block_products(a, w)
+    assert len(products) == 4 and all(p.size(1) == quant.ALONE_ROWS for p in products)
+    assert all(not p[:, [1, 3]].any() for p in products)  # the odd places hold zero rows
+    for i in range(7):
+        assert torch.equal(_bits(rows[:, i]), _bits(quant._block_products(a[:, i : i + 1], w)[:, 0]))
+
+
+def test_the_place_check_finds_places_that_sum_otherwise(monkeypatch):
+    """A product that sums every row alike leaves all four places; one whose rows at odd places
+    come out one ulp away (as MKL's SSE4.2 kernels sum them otherwise) leaves the even ones."""
+    from dsv41.model import quant
+
+    def alike(a, b):  # every row's sums in float64, the same at any place
+        return (a.double() @ b.double()).float()
+
+    def odd_places_otherwise(a, b):
+        out = alike(a, b)
+        out[:, 1::2] = torch.nextafter(out[:, 1::2], torch.full_like(out[:, 1::2], torch.inf))
+        return out
+
+    w = torch.randn(2, 24, 32).transpose(1, 2)  # [blocks, 32, N] as `block_scaled_matmul` lays it out
+    for product, places in ((alike, (0, 1, 2, 3)), (odd_places_otherwise, (0, 2))):
+        monkeypatch.setattr(quant, "_PLACES_AS_ALONE", {})
+        monkeypatch.setattr(torch, "bmm", product)
+        assert quant._places_as_alone(w) == places
+
+
 @pytest.mark.parametrize("fn", [torch.sigmoid, torch.exp])
 def test_elementwise_runs_gives_each_run_the_bits_it_gets_alone(rng, fn):
     """A batch's gates (4 or 16 values per token) through one call, each sequence as alone: on a

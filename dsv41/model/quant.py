@@ -253,26 +253,66 @@ ALONE_ROWS = 4  # the fewest rows a block product is computed with (`_block_prod
 
 
 def _block_products(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a [B, M, block] @ w [B, block, N], every row summed as it is in a product of `ALONE_ROWS`
-    rows, so that a row gets the same bits alone as in any batch. MKL's fp32 kernels sum a short
-    block in an order that depends on the row count when it is small: one row takes the
-    matrix-vector kernel (on AVX-512/AMX another order than the matrix kernel), and on AVX2 one to
-    three rows each sum another way than four or more. So fewer rows are padded with zero rows to
-    `ALONE_ROWS`, and more rows run as one product only where a check on this shape shows they get
-    those bits (`_many_rows_keep_bits`), else `ALONE_ROWS` at a time (a row's sums in a product
-    depend on the product's shape, not on the other rows' values)."""
-    m, a = a.size(1), a.contiguous()  # one layout for every row count: the kernel may depend on it
-    if numerics.is_stable() or m == ALONE_ROWS:
+    """a [B, M, block] @ w [B, block, N], every row summed as it is alone: at the first place of a
+    product of `ALONE_ROWS` rows, so that a row gets the same bits alone as in any batch. MKL's fp32
+    kernels sum a short block in an order that depends on the row count when it is small: one row
+    takes the matrix-vector kernel (on AVX-512/AMX another order than the matrix kernel), and on
+    AVX2 one to three rows each sum another way than four or more. So fewer rows are padded with
+    zero rows to `ALONE_ROWS`, and more rows run as one product only where a check on this shape
+    shows they get those bits (`_many_rows_keep_bits`), else `ALONE_ROWS` at a time (a row's sums
+    in a product depend on the product's shape, not on the other rows' values)."""
+    a = a.contiguous()  # one layout for every row count: the kernel may depend on it
+    if numerics.is_stable():
         return numerics.bmm(a, w)
-    if m < ALONE_ROWS:
-        return numerics.bmm(torch.cat([a, a.new_zeros(a.size(0), ALONE_ROWS - m, a.size(2))], 1), w)[:, :m]
-    if _many_rows_keep_bits(w):
+    if a.size(1) > ALONE_ROWS and _many_rows_keep_bits(w):
         return numerics.bmm(a, w)
     return _in_products_of_alone_rows(a, w)
 
 
 def _in_products_of_alone_rows(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.cat([_block_products(piece, w) for piece in a.split(ALONE_ROWS, dim=1)], 1)
+    """a's rows in products of `ALONE_ROWS` rows, each row at a place that sums it as the first
+    place does (`_places_as_alone`: every place on AVX2 and AVX-512; on MKL's SSE4.2 path only
+    every other one), the other places zero."""
+    places = _places_as_alone(w)
+    batch, _, block = a.shape
+    pieces = []
+    for piece in a.split(len(places), dim=1):
+        at = list(places[: piece.size(1)])
+        if len(at) == ALONE_ROWS:
+            pieces.append(numerics.bmm(piece, w))
+        elif at == list(range(len(at))):  # the first places: the rows, then zero rows
+            padded = torch.cat([piece, piece.new_zeros(batch, ALONE_ROWS - len(at), block)], 1)
+            pieces.append(numerics.bmm(padded, w)[:, : len(at)])
+        else:
+            padded = piece.new_zeros(batch, ALONE_ROWS, block)
+            padded[:, at] = piece
+            pieces.append(numerics.bmm(padded, w)[:, at])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
+
+
+_PLACES_AS_ALONE: dict[tuple, tuple[int, ...]] = {}
+
+
+def _places_as_alone(w: torch.Tensor) -> tuple[int, ...]:
+    """The places of a product of `ALONE_ROWS` rows by weights of w's shape and layout at which a
+    row gets the bits it gets at the first (alone, padded with zero rows), checked once per shape,
+    layout and thread count on random rows against w itself. MKL's SSE4.2 kernels sum the rows at
+    odd places in another order."""
+    key = (tuple(w.shape), w.stride(), torch.get_num_threads())
+    known = _PLACES_AS_ALONE.get(key)
+    if known is None:
+        generator = torch.Generator().manual_seed(0)
+        batch, block, _ = w.shape
+        faithful = set(range(ALONE_ROWS))
+        for _ in range(2):
+            rows = torch.randn(batch, ALONE_ROWS, block, generator=generator, dtype=w.dtype)
+            together = torch.bmm(rows, w)
+            for i in range(1, ALONE_ROWS):
+                first = torch.cat([rows[:, i : i + 1], rows.new_zeros(batch, ALONE_ROWS - 1, block)], 1)
+                if not torch.equal(torch.bmm(first, w)[:, 0], together[:, i]):
+                    faithful.discard(i)
+        known = _PLACES_AS_ALONE[key] = tuple(sorted(faithful))
+    return known
 
 
 _MANY_ROWS_KEEP_BITS: dict[tuple, bool] = {}
