@@ -46,3 +46,18 @@ def corpus(tmp_path_factory) -> Path:
     from tests.helpers.training import corpus_slice
 
     return corpus_slice(tmp_path_factory.mktemp("corpus"))
+
+
+def skip_where_the_gemm_sums_blocks_otherwise(shapes: list[tuple[int, int]]) -> None:
+    """Skips a test that the compiled loop of quantized products serves where this machine's GEMM
+    sums a 32-wide block in another order than the loop (MKL's SSE4.2 path does): the loop's
+    per-shape check (`quant._loop_keeps_bits`, K x N) then rightly hands every call to the
+    operators, so there is nothing to compare. The loop's own order is checked on every machine
+    against a machine-independent twin (tests/test_block_scaled_loop.py)."""
+    from dsv41.model import quant
+
+    threads = torch.get_num_threads()
+    for k, n in shapes:
+        if not quant._loop_keeps_bits(k, n, threads):
+            pytest.skip(f"this GEMM sums a {k}x{n} product's blocks otherwise than the compiled loop: "
+                        "the operators serve here")
