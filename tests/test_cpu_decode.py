@@ -23,9 +23,14 @@ def one_thread():
     on the thread count."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    _skip_where_the_loops_do_not_serve([(4, 512)])
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def loops_serve(one_thread):
+    """For a test that asserts the loops ran: skipped, with the reason, where they cannot here."""
+    _skip_where_the_loops_do_not_serve([(4, 512)])
 
 
 def _skip_where_the_loops_do_not_serve(shapes: list[tuple[int, int]]) -> None:
@@ -179,7 +184,7 @@ def _cut_prefill(rng, seen: torch.Tensor, zero_channels: int = 0):
     return q, kv, torch.randn(4, generator=rng), torch.where(torch.arange(300) < seen, idx, -1)
 
 
-def test_cut_passes_hand_zero_outputs_to_the_operators(rng, monkeypatch):
+def test_cut_passes_hand_zero_outputs_to_the_operators(rng, monkeypatch, loops_serve):
     """A pass cut short at unused chunks hands a zero output back, as a decode step beside unused
     slots does (the cut chunks would have added a zero of either sign), even where the chunk it
     keeps has every slot used: the operators' bits."""
@@ -194,7 +199,7 @@ def test_cut_passes_hand_zero_outputs_to_the_operators(rng, monkeypatch):
     assert cut and all(width == 64 for width in cut[0][1]) and verdicts and not any(verdicts)
 
 
-def test_a_non_finite_first_key_keeps_the_full_width(rng, monkeypatch):
+def test_a_non_finite_first_key_keeps_the_full_width(rng, monkeypatch, loops_serve):
     """Unused slots read the table's first row: where it is not finite (0 x inf is NaN in the
     operators' products) no pass is cut, and the outputs keep the operators' bits, NaNs included."""
     cut = _recording_pass_widths(monkeypatch)
@@ -222,7 +227,7 @@ def test_top_k_entries_read_from_the_step_table_give_the_same_bits(rng, monkeypa
     assert torch.equal(_bits(first), _bits(want)) and torch.equal(_bits(again), _bits(want))
 
 
-def test_zero_outputs_beside_unused_entries_go_to_the_operators(rng, monkeypatch):
+def test_zero_outputs_beside_unused_entries_go_to_the_operators(rng, monkeypatch, loops_serve):
     """Channels that are zero in every key give zero outputs; where the sequence also has unused
     entry slots the loops cannot vouch for a zero's sign and hand the call back; without unused
     slots they keep it. Either way the bits are the operators'."""
@@ -254,7 +259,7 @@ def test_non_finite_queries_go_to_the_operators(rng, monkeypatch):
         assert not got[1].isfinite().all()
 
 
-def test_shapes_the_loops_do_not_take_keep_the_operators(rng):
+def test_shapes_the_loops_do_not_take_keep_the_operators(rng, loops_serve):
     """Entries or ring slots not in whole chunks of 64 (`sparse_attention_decode` pads the
     entries first), shape-stable numerics and batches over the operators' one-pass limit are
     served by the operators."""

@@ -50,12 +50,13 @@ def _routed_logits(core: InferenceCore, prompt: list[int], forced: list[int], mo
             return out
         return selected
 
+    sparse_attention = attention.sparse_attention
+
     def attended(*args):
         out = sparse_attention(*args)
         calls.append(("output", out, out, None))
         return out
 
-    sparse_attention = attention.sparse_attention
     with monkeypatch.context() as patch:
         patch.setattr(moe.Gate, "forward", routed)
         patch.setattr(attention, "untied_topk", recorded(attention.untied_topk))
