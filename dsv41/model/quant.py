@@ -290,18 +290,24 @@ def _in_products_of_alone_rows(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 1)
 
 
+def _once_per_layout(cache: dict, w: torch.Tensor, check):
+    """`check(w, generator)` for w's shape, layout and the thread count, run once and kept in
+    `cache`: the BLAS picks its kernel by shape and layout, not by value, so a check on random
+    rows against w itself (which spares allocating a weight as large) holds for every call."""
+    key = (tuple(w.shape), w.stride(), torch.get_num_threads())
+    if key not in cache:
+        cache[key] = check(w, torch.Generator().manual_seed(0))
+    return cache[key]
+
+
 _PLACES_AS_ALONE: dict[tuple, tuple[int, ...]] = {}
 
 
 def _places_as_alone(w: torch.Tensor) -> tuple[int, ...]:
     """The places of a product of `ALONE_ROWS` rows by weights of w's shape and layout at which a
-    row gets the bits it gets at the first (alone, padded with zero rows), checked once per shape,
-    layout and thread count on random rows against w itself. MKL's SSE4.2 kernels sum the rows at
-    odd places in another order."""
-    key = (tuple(w.shape), w.stride(), torch.get_num_threads())
-    known = _PLACES_AS_ALONE.get(key)
-    if known is None:
-        generator = torch.Generator().manual_seed(0)
+    row gets the bits it gets at the first (alone, padded with zero rows). MKL's SSE4.2 kernels sum
+    the rows at odd places in another order."""
+    def check(w: torch.Tensor, generator: torch.Generator) -> tuple[int, ...]:
         batch, block, _ = w.shape
         faithful = set(range(ALONE_ROWS))
         for _ in range(2):
@@ -311,8 +317,9 @@ def _places_as_alone(w: torch.Tensor) -> tuple[int, ...]:
                 first = torch.cat([rows[:, i : i + 1], rows.new_zeros(batch, ALONE_ROWS - 1, block)], 1)
                 if not torch.equal(torch.bmm(first, w)[:, 0], together[:, i]):
                     faithful.discard(i)
-        known = _PLACES_AS_ALONE[key] = tuple(sorted(faithful))
-    return known
+        return tuple(sorted(faithful))
+
+    return _once_per_layout(_PLACES_AS_ALONE, w, check)
 
 
 _MANY_ROWS_KEEP_BITS: dict[tuple, bool] = {}
@@ -320,18 +327,13 @@ _MANY_ROWS_KEEP_BITS: dict[tuple, bool] = {}
 
 def _many_rows_keep_bits(w: torch.Tensor) -> bool:
     """Whether products of more than `ALONE_ROWS` rows with weights of w's shape and layout give
-    every row the bits it gets in a product of `ALONE_ROWS` rows, checked once per shape, layout and
-    thread count on random rows at several counts against w itself (the BLAS picks its kernel by
-    shape and layout, not by value; w's own values spare allocating a weight as large)."""
-    key = (tuple(w.shape), w.stride(), torch.get_num_threads())
-    known = _MANY_ROWS_KEEP_BITS.get(key)
-    if known is None:
-        generator = torch.Generator().manual_seed(0)
+    every row the bits it gets in products of `ALONE_ROWS` rows, checked at several row counts."""
+    def check(w: torch.Tensor, generator: torch.Generator) -> bool:
         batch, block, _ = w.shape
         rows = [torch.randn(batch, m, block, generator=generator, dtype=w.dtype) for m in (5, 8, 9, 17, 33)]
-        known = _MANY_ROWS_KEEP_BITS[key] = all(
-            torch.equal(torch.bmm(a, w), _in_products_of_alone_rows(a, w)) for a in rows)
-    return known
+        return all(torch.equal(torch.bmm(a, w), _in_products_of_alone_rows(a, w)) for a in rows)
+
+    return _once_per_layout(_MANY_ROWS_KEEP_BITS, w, check)
 
 
 def _add_scaled_blocks(partials: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
