@@ -146,6 +146,8 @@ class DSparkComponent(Component):
         self.blocked = False  # a prefill found no KV pages: admit nothing until a request ends
         self.flights: deque[Flight] = deque()  # batched steps sent, oldest first (their requests are out of `active`)
         self.arrived: dict[int, tuple[m.Message, list[memoryview]]] = {}  # replies of later flights, come early
+        # tokens chosen but not yet sent to their clients (`_deliver`), with the reason each ends its request
+        self.outbox: deque[tuple[Request, int, m.FinishReason | None]] = deque()
         self.config = config
         self.drafter, self.mode, self.length = _speculation(context)
         self.cost = StepCost()  # seconds of a step by tokens verified, for the `auto` scheduler
@@ -354,14 +356,16 @@ class DSparkComponent(Component):
         self._admit()
         busy = bool(self.active or self.prefilling or self.flights)
         try:
-            while self.active and len(self.flights) < self.steps_in_flight:
-                self._send_step()
+            self._send_steps()
             if self.flights:
                 self._land()
             elif self.prefilling:
                 self._collect(0.05, wake=self.inbox_bell)
+            self._send_steps()  # the next step of the requests just answered goes out before their tokens
         except ComponentError:
             pass  # the requests concerned have failed; the next round starts afresh
+        finally:
+            self._deliver()
         self._expire()
         decoding = self._decoding()
         gauges = {"running": decoding + len(self.prefilling), "waiting": len(self.waiting),
@@ -369,6 +373,10 @@ class DSparkComponent(Component):
         for key, value in gauges.items():  # set, not added (Counter.update adds)
             self.counters[key] = value
         return busy
+
+    def _send_steps(self) -> None:
+        while self.active and len(self.flights) < self.steps_in_flight:
+            self._send_step()
 
     def _next_batch(self) -> list[Request]:
         """The requests of the next step: up to MAX_BATCH, and no more than their share when the
@@ -504,13 +512,31 @@ class DSparkComponent(Component):
             m.EngramPrefetch(request_id=request.internal_id, ids=m.pack_ids(window), offset=offset, start=position))
 
     def _emit(self, request: Request, logits: torch.Tensor) -> None:
-        token = int(sample_next(logits.unsqueeze(0), request.sampling, request.generator)[0])
-        request.generated.append(token)
-        request.reply(m.TokenEvent(request_id=request.client_id, token=token, text=request.detokenizer.push(token)))
-        if token in request.stop_ids or len(request.generated) == request.max_new_tokens:
-            self._finish(request, m.FinishReason.EOS if token in request.stop_ids else m.FinishReason.LENGTH)
-        else:
+        """Choose the request's next token from its logits; it decodes on unless that ends it."""
+        if not self._push(request, int(sample_next(logits.unsqueeze(0), request.sampling, request.generator)[0])):
             self.active.append(request)
+
+    def _push(self, request: Request, token: int) -> bool:
+        """Take one token (its client gets it in `_deliver`); True when it ends the request (a stop
+        token or the length limit)."""
+        request.generated.append(token)
+        ends = token in request.stop_ids or len(request.generated) == request.max_new_tokens
+        reason = (m.FinishReason.EOS if token in request.stop_ids else m.FinishReason.LENGTH) if ends else None
+        self.outbox.append((request, token, reason))
+        return ends
+
+    def _deliver(self) -> None:
+        """Send the tokens taken to their clients (their text detokenized here), and finish the
+        requests they end. It runs after the next step has gone out, so that a step's round trip
+        does not wait on them; a request cancelled or failed meanwhile gets nothing more."""
+        while self.outbox:
+            request, token, reason = self.outbox.popleft()
+            if not self._live(request):
+                continue
+            request.reply(m.TokenEvent(request_id=request.client_id, token=token,
+                                       text=request.detokenizer.push(token)))
+            if reason is not None:
+                self._finish(request, reason)
 
     def _finish(self, request: Request, reason: m.FinishReason) -> None:
         self.clients.pop(request.client_id, None)
@@ -534,7 +560,9 @@ class DSparkComponent(Component):
 
     def _fail(self, request: Request | None, error: Exception, client_id: int = 0, reply: Reply | None = None,
               release: bool = True) -> None:
-        """Answer a failed request with its error; a request that was sent on has its state released."""
+        """Answer a failed request with its error (after the tokens it was given); a request that was
+        sent on has its state released."""
+        self._deliver()
         self.counters["failed_requests"] += 1
         if request is not None:
             client_id, reply = request.client_id, request.reply
@@ -631,15 +659,6 @@ class DSparkComponent(Component):
         with Stopwatch() as watch:
             self.drafter.observe(request.draft, rows)
         self._drafter_time(request, watch.total)
-
-    def _push(self, request: Request, token: int) -> bool:
-        """Emit one token; True when it ends the request (a stop token or the length limit)."""
-        request.generated.append(token)
-        request.reply(m.TokenEvent(request_id=request.client_id, token=token, text=request.detokenizer.push(token)))
-        if token in request.stop_ids or len(request.generated) == request.max_new_tokens:
-            self._finish(request, m.FinishReason.EOS if token in request.stop_ids else m.FinishReason.LENGTH)
-            return True
-        return False
 
     def _count(self, spec: SpecStats, drafted: int, accepted: int) -> None:
         spec.lengths += [0] * (drafted + 1 - len(spec.lengths))
