@@ -3,16 +3,12 @@
 In one run on `mini`: (1) the in-process core's decode step time after a `ced` prefill; (2) the
 same request through the `local` pipeline (six processes over ipc://), its decode time per token;
 (3) the round trip of one hop carrying a 4 x hidden bf16 activation (mini's 256 and the official
-4096) to a component in another process, through its endpoint (the I/O thread and the inbox) and
-its direct lane (the compute thread alone, as the encoder and decoder take a step's messages),
-alternating, back to back and with a pause between calls as long as a decode step's half (a
-thread that slept resumes on a cold core), and of a ping; (4) the Engram prefetch lead: how long
+4096) to a component in another process, and of a ping; (4) the Engram prefetch lead: how long
 the prompt's rows were ready before the encoder needed them, from the encoder's counters (a decode
 step's rows are looked up by the encoder unless the engram option `prefetch_steps` is set). The
 overhead share is (pipeline - in-process) / in-process step time; goal <= 5 %.
 Writes benchmarks/results/ipc.json.
-Usage: python benchmarks/ipc.py [--prompt-tokens 256] [--new-tokens 32] [--hops 2000] [--pause-ms 12]
-       [--hops-only]
+Usage: python benchmarks/ipc.py [--prompt-tokens 256] [--new-tokens 32] [--hops 2000]
 """
 
 from __future__ import annotations
@@ -67,7 +63,6 @@ def pipeline_run(ids: list[int], new_tokens: int, root: Path) -> dict:
 class Echo(Component):
     name = "echo"
     accepts = frozenset({m.KIND.DECODER_STEP})
-    direct_lane = True
 
     def handle(self, message, frames, reply) -> None:
         reply(m.Ack(request_id=message.request_id))
@@ -92,39 +87,24 @@ def wait_ready(endpoint: str, timeout_s: float = 60.0) -> None:
         peer.close()
 
 
-def hop_us(endpoint: str, hidden: int, hops: int, pause_s: float = 0.0) -> dict[str, float]:
-    """Median round trips of a DecoderStep carrying [1, 1, 4, hidden] bf16 streams + fp32 pre-mix,
-    through the endpoint and the direct lane in turn, with `pause_s` before each call, and of a ping."""
-    peers = {"endpoint": Peer(endpoint, "echo", timeout_s=10), "direct": Peer(endpoint, "echo", timeout_s=10,
-                                                                             direct=True)}
+def hop_us(endpoint: str, hidden: int, hops: int) -> dict[str, float]:
+    """Median round trip of a DecoderStep carrying [1, 1, 4, hidden] bf16 streams + fp32 pre-mix."""
+    peer = Peer(endpoint, "echo", timeout_s=10)
     streams, pre_mix = torch.randn(1, 1, 4, hidden).bfloat16(), torch.randn(1, 1, 4)
-    times: dict[str, list[float]] = {"endpoint": [], "direct": [], "ping": []}
+    times, pings = [], []
     for _ in range(hops):
-        for lane, peer in peers.items():
-            out = m.Frames()
-            request = m.DecoderStep(request_id=new_request_id(), start=0, streams=out.add(streams),
-                                    pre_mix=out.add(pre_mix))
-            time.sleep(pause_s)
-            start = time.perf_counter()
-            peer.call(request, out)
-            times[lane].append(time.perf_counter() - start)
-        time.sleep(pause_s)
+        out = m.Frames()
+        request = m.DecoderStep(request_id=new_request_id(), start=0, streams=out.add(streams),
+                                pre_mix=out.add(pre_mix))
         start = time.perf_counter()
-        peers["endpoint"].ping()
-        times["ping"].append(time.perf_counter() - start)
-    for peer in peers.values():
-        peer.close()
-    median = {lane: statistics.median(t) * 1e6 for lane, t in times.items()}
-    return {"activation_round_trip_us": median["endpoint"], "direct_round_trip_us": median["direct"],
-            "ping_round_trip_us": median["ping"], "activation_bytes": streams.numel() * 2 + pre_mix.numel() * 4,
-            "pause_ms": pause_s * 1e3}
-
-
-def print_hops(hops: dict[str, dict[str, float]]) -> None:
-    for name, h in hops.items():
-        print(f"{'round trip, 4 x ' + name + ' activation, endpoint (us)':64} {h['activation_round_trip_us']:12.1f}")
-        print(f"{'round trip, 4 x ' + name + ' activation, direct lane (us)':64} {h['direct_round_trip_us']:12.1f}")
-        print(f"{'round trip, ping (us)':64} {h['ping_round_trip_us']:12.1f}")
+        peer.call(request, out)
+        times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        peer.ping()
+        pings.append(time.perf_counter() - start)
+    peer.close()
+    return {"activation_round_trip_us": statistics.median(times) * 1e6, "ping_round_trip_us":
+            statistics.median(pings) * 1e6, "activation_bytes": streams.numel() * 2 + pre_mix.numel() * 4}
 
 
 def main() -> None:
@@ -132,9 +112,6 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--hops", type=int, default=2000)
-    parser.add_argument("--pause-ms", type=float, default=12.0, help="pause before each call of the paused "
-                        "round trips (about a half of a decode step on small)")
-    parser.add_argument("--hops-only", action="store_true", help="measure the round trips alone (no model)")
     args = parser.parse_args()
     ids = torch.randint(3, 300, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     root = Path(tempfile.mkdtemp(prefix="d41ipc", dir="/tmp"))
@@ -143,36 +120,30 @@ def main() -> None:
     echo.start()
     wait_ready(endpoint)
     hops = {f"hidden {h}": hop_us(endpoint, h, args.hops) for h in (256, 4096)}
-    paused = max(1, int(2.0 / (3 * args.pause_ms / 1e3)))  # about two seconds of pauses
-    hops[f"hidden 256 after {args.pause_ms:g} ms"] = hop_us(endpoint, 256, paused, args.pause_ms / 1e3)
     echo.kill()
-    if args.hops_only:
-        print(f"{'measure':64} {'value':>12}")
-        print_hops(hops)
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "ipc_hops.json").write_text(json.dumps({"hops": hops}, indent=2) + "\n")
-        return
     all_threads = torch.get_num_threads()
     in_process_all = in_process_step_ms(ids, args.new_tokens)
     torch.set_num_threads(compute_threads("decoder", load_pipeline("local")))  # what each model process gets
     in_process = in_process_step_ms(ids, args.new_tokens)
     piped = pipeline_run(ids, args.new_tokens, root)
     overhead = piped["decode_ms_per_token"] / in_process - 1
-    per_step_hops = 3  # dspark -> encoder -> decoder -> dspark on the direct lanes; Engram and detokenize are small
-    hop_share = per_step_hops * hops["hidden 256"]["direct_round_trip_us"] / 2 / 1e3 / in_process
+    per_step_hops = 4  # dspark -> encoder -> decoder and back carry the step; the Engram push and detokenize are small
+    hop_share = per_step_hops * hops["hidden 256"]["activation_round_trip_us"] / 2 / 1e3 / in_process
     result = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "in_process_step_ms": in_process,
               "in_process_step_ms_all_threads": in_process_all, "threads": [all_threads, torch.get_num_threads()],
               "pipeline": piped, "pipeline_overhead": overhead, "hop_share_of_step": hop_share, "hops": hops}
-    print(f"{'measure':64} {'value':>12}")
-    print(f"{f'in-process decode step (mini, {all_threads} threads, ms)':64} {in_process_all:12.2f}")
-    print(f"{f'in-process decode step ({torch.get_num_threads()} threads, as each model process, ms)':64} "
+    print(f"{'measure':52} {'value':>12}")
+    print(f"{f'in-process decode step (mini, {all_threads} threads, ms)':52} {in_process_all:12.2f}")
+    print(f"{f'in-process decode step ({torch.get_num_threads()} threads, as each model process, ms)':52} "
           f"{in_process:12.2f}")
-    print(f"{'local pipeline decode per token (ms)':64} {piped['decode_ms_per_token']:12.2f}")
-    print(f"{'pipeline overhead vs in-process':64} {overhead:12.1%}")
-    print_hops(hops)
-    print(f"{'3 one-way activation hops (direct) / in-process step':64} {hop_share:12.2%}")
+    print(f"{'local pipeline decode per token (ms)':52} {piped['decode_ms_per_token']:12.2f}")
+    print(f"{'pipeline overhead vs in-process':52} {overhead:12.1%}")
+    for name, h in hops.items():
+        print(f"{'round trip, 4 x ' + name + ' activation (us)':52} {h['activation_round_trip_us']:12.1f}")
+        print(f"{'round trip, ping (us)':52} {h['ping_round_trip_us']:12.1f}")
+    print(f"{'4 one-way activation hops / in-process step':52} {hop_share:12.2%}")
     for key, value in piped["engram_counters"].items():
-        print(f"{'encoder ' + key:64} {value:12}")
+        print(f"{'encoder ' + key:52} {value:12}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ipc.json").write_text(json.dumps(result, indent=2) + "\n")
 

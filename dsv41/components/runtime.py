@@ -170,9 +170,6 @@ class Bell:
                  take_direct: Callable[[], None] = lambda: None):
         self._ring, self._take_direct = ring, take_direct
         self.sockets = (ring,) if direct is None else (ring, direct)
-        self._poller = zmq.Poller()
-        for sock in self.sockets:
-            self._poller.register(sock, zmq.POLLIN)
 
     def rang(self, ready: dict) -> bool:
         """Whether a poll's result (`dict(poller.poll())`) holds one of the bell's sockets."""
@@ -186,7 +183,10 @@ class Bell:
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to timeout_s for the bell; True (and heard) if it rang."""
-        rang = self.rang(dict(self._poller.poll(timeout_s * 1000)))
+        poller = zmq.Poller()
+        for sock in self.sockets:
+            poller.register(sock, zmq.POLLIN)
+        rang = self.rang(dict(poller.poll(timeout_s * 1000)))
         if rang:
             self.hear()
         return rang
