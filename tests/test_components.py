@@ -16,7 +16,6 @@ from zmq.utils.monitor import parse_monitor_message
 
 from dsv41 import messages as m
 from dsv41.components.limits import pipeline_limits
-from dsv41.components.registry import component_class
 from dsv41.components.runtime import ComponentError, Peer, new_request_id
 from dsv41.config import load_config
 from dsv41.engine.core import InferenceCore
@@ -53,7 +52,7 @@ class Running:
 
     def stand_in(self, name: str, answer) -> StandIn:
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        stand_in = StandIn(self.endpoints[name], answer, direct=component_class(name).direct_lane)
+        stand_in = StandIn(self.endpoints[name], answer)
         self.stand_ins.append(stand_in)
         return stand_in
 

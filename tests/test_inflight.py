@@ -14,8 +14,8 @@ import pytest
 
 from dsv41 import messages as m
 from dsv41.components.inflight import InFlight, raise_error
-from dsv41.components.runtime import ComponentError, Peer, Server, new_request_id
-from tests.test_transport import TRANSPORTS, WAIT_MS, Echo, Net
+from dsv41.components.runtime import ComponentError, Peer, new_request_id
+from tests.test_transport import TRANSPORTS, WAIT_MS, Net
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,33 +124,21 @@ def test_an_unsendable_message_raises_and_registers_nothing(net: Net):
     assert texts([flight.call(tokenize("small"))]) == ["small"]
 
 
-class DirectEcho(Echo):
-    direct_lane = True
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("lane", ["endpoint", "direct"])
-def test_a_message_coming_in_ends_a_wait_for_a_peers_replies(net: Net, transport, lane):
+def test_a_message_into_the_inbox_ends_a_wait_for_a_peers_replies(net: Net, transport):
     """A component waiting on a peer's replies (the encoder on the decoder's) waits on its inbox
-    bell too: a request that comes in meanwhile, on its endpoint or its direct lane, ends the wait
-    at once, not at its timeout; the rings are consumed and the request is in the inbox. (The test
-    thread is the waiting component's compute thread: its loop does not run.)"""
+    bell too: a request that comes in meanwhile ends the wait at once, not at its timeout, and the
+    rings are consumed."""
     held, flight = served_flight(net, transport)
-    server = Server(DirectEcho(), net.endpoint(transport, "waiting"))
-    try:
-        bell = server.bell
-        flight.send(tokenize("hold"), None, lambda outcome: None)
-        assert held.component.entered.wait(WAIT_MS / 1000)
-        assert flight.poll(0.0, bell) == 0 and not bell.wait(0)  # nothing rang yet
-        ring = Peer(server.endpoint, "echo", direct=lane == "direct")
-        net.peers.append(ring)
-        ring.send(tokenize("new request"))
-        started = time.monotonic()
-        assert flight.poll(WAIT_MS / 1000, bell) == 0  # woken by the bell: the held reply has not come
-        assert time.monotonic() - started < WAIT_MS / 2000 and len(flight) == 1
-        assert not bell.wait(0) and server.inbox.qsize() == 1
-        came_on, _, message, _ = server.inbox.get_nowait()
-        assert message.text == "new request" and (came_on is None) == (lane == "endpoint")
-    finally:
-        server.stop()
-        server.join()
+    waiting = net.serve(net.endpoint(transport, "waiting"))
+    bell = waiting.component.inbox_bell
+    flight.send(tokenize("hold"), None, lambda outcome: None)
+    assert held.component.entered.wait(WAIT_MS / 1000)
+    assert flight.poll(0.0, bell) == 0 and bell.poll(0) == 0  # nothing rang yet
+    ring = Peer(waiting.server.endpoint, "echo")
+    net.peers.append(ring)
+    ring.send(tokenize("new request"))
+    started = time.monotonic()
+    assert flight.poll(WAIT_MS / 1000, bell) == 0  # woken by the bell: the held reply has not come
+    assert time.monotonic() - started < WAIT_MS / 2000 and len(flight) == 1
+    assert bell.poll(0) == 0

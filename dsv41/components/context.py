@@ -36,14 +36,10 @@ class ComponentContext:
     def option(self, component: str, key: str, default):
         return self.pipeline.components[component].options.get(key, default)
 
-    def peer(self, name: str, timeout_s: float | None = None, routing_id: bytes | None = None,
-             direct: bool = False) -> Peer:
-        """A peer of component `name`; `direct`: on its compute thread's direct lane (`Server`). A
-        reply routed past the one who sent the request (`Component.routed`) leaves on the lane the
-        request came in on, so the one it is routed to must call on that lane too."""
+    def peer(self, name: str, timeout_s: float | None = None, routing_id: bytes | None = None) -> Peer:
         return Peer(self.endpoints[name], name, self.keys_dir,
                     timeout_s=timeout_s or self.pipeline.generation.request_timeout_s, limits=self.limits,
-                    routing_id=routing_id, direct=direct)
+                    routing_id=routing_id)
 
     @cached_property
     def limits(self) -> m.Limits:

@@ -54,7 +54,6 @@ class DecoderComponent(Component):
     name = "decoder"
     accepts = frozenset({m.KIND.DECODER_PREFILL, m.KIND.DECODER_STEP, m.KIND.DECODER_BATCH_STEP, m.KIND.RELEASE})
     routed = frozenset({m.KIND.DECODER_BATCH_STEP})  # answered to the scheduler that asked, past the encoder
-    direct_lane = True  # a decode step's requests reach the compute thread without the I/O thread
 
     def __init__(self, context: ComponentContext):
         super().__init__()

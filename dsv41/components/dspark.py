@@ -36,10 +36,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import zmq
 
 from dsv41 import messages as m
 from dsv41.components.context import ComponentContext
-from dsv41.components.runtime import Bell, Component, ComponentError, Reply, new_request_id
+from dsv41.components.runtime import Component, ComponentError, Reply, new_request_id
 from dsv41.engine.dspark_scheduler import Calibration, RoundChooser, choose_lengths
 from dsv41.engine.speculative import StepCost, Stopwatch, accept_greedy, accept_sampled, target_probs
 from dsv41.model.dspark import Drafter, DraftState, has_drafter, load_dspark, new_state
@@ -129,10 +130,9 @@ class DSparkComponent(Component):
         self.lookback = config.text_config.engram_max_ngram_size - 1
         self.prefetch = bool(context.option("engram", "prefetch", True)) and bool(config.text_config.engram_layer_ids)
         self.prefetch_steps = self.prefetch and bool(context.option("engram", "prefetch_steps", False))
-        self.tokenizer, self.encoder = context.peer("tokenizer"), context.peer("encoder", direct=True)
+        self.tokenizer, self.encoder = context.peer("tokenizer"), context.peer("encoder")
         # the decoder answers batched steps on this connection, past the encoder, once it holds it
-        self.decoder = context.peer("decoder", routing_id=f"dspark-{os.urandom(8).hex()}".encode(),
-                                    direct=True)
+        self.decoder = context.peer("decoder", routing_id=f"dspark-{os.urandom(8).hex()}".encode())
         self.token_bytes = token_bytes(context.tokenizer)
         self.engram = context.peer("engram") if self.prefetch else None
         scheduling = context.pipeline.scheduling
@@ -261,7 +261,7 @@ class DSparkComponent(Component):
         if request is not None:  # anything else: the Ack of a Release, a cancelled request's prefill
             self._prefilled(request, message, frames)
 
-    def _collect(self, timeout_s: float, until: int | None = None, wake: Bell | None = None):
+    def _collect(self, timeout_s: float, until: int | None = None, wake: zmq.Socket | None = None):
         """Take the encoder's replies (prefills are answered as they come). Without `until`: wait up
         to timeout_s for one, then take whatever else is there. With `until`: return that request's
         reply as soon as it is there; raises ComponentError when it does not come within timeout_s.

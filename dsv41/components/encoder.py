@@ -132,7 +132,6 @@ class EncoderComponent(Component):
     name = "encoder"
     accepts = frozenset({m.KIND.PREFILL, m.KIND.STEP, m.KIND.BATCH_STEP, m.KIND.RELEASE})
     early = frozenset({m.KIND.ENGRAM_ROWS})
-    direct_lane = True  # a decode step's requests reach the compute thread without the I/O thread
 
     def __init__(self, context: ComponentContext):
         super().__init__()
@@ -148,7 +147,7 @@ class EncoderComponent(Component):
         self.sequences = Sequences(context.pipeline.generation.request_timeout_s)
         # steps and prefills go on to the decoder without waiting: the encoder computes the next
         # chunk or step while the decoder computes, and passes each reply on when it comes
-        self.decoder = InFlight(context.peer("decoder", direct=True), context.pipeline.generation.request_timeout_s)
+        self.decoder = InFlight(context.peer("decoder"), context.pipeline.generation.request_timeout_s)
         self.kvstore = context.peer("kvstore", timeout_s=STORE_TIMEOUT_S)
         # prefills in progress, oldest first: one batch of their chunks runs per turn of the loop, so
         # the steps of requests already decoding are served between the chunks of a long prompt

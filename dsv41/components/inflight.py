@@ -13,8 +13,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import zmq
+
 from dsv41 import messages as m
-from dsv41.components.runtime import Bell, ComponentError, Peer
+from dsv41.components.runtime import ComponentError, Peer
 
 Outcome = tuple[m.Message, list[memoryview]] | ComponentError
 Then = Callable[[Outcome], None]
@@ -57,9 +59,9 @@ class InFlight:
             self.poll(0.05)
         return raise_error(box[0])
 
-    def poll(self, timeout_s: float = 0.0, wake: Bell | None = None) -> int:
+    def poll(self, timeout_s: float = 0.0, wake: zmq.Socket | None = None) -> int:
         """Act on the replies that are there (waiting up to timeout_s for the first, or until `wake`
-        rings) and fail the requests past their deadline; returns how many were settled."""
+        becomes readable) and fail the requests past their deadline; returns how many were settled."""
         settled = 0
         try:
             while self._pending and (got := self.peer.receive_any(0.0 if settled else timeout_s, wake)) is not None:

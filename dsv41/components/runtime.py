@@ -7,13 +7,6 @@ loop only reads that queue and writes replies to an inproc socket that the I/O t
 so no socket is ever touched by two threads. A request that makes the component raise fails
 alone with an INTERNAL error; the component keeps serving.
 
-A component on a decode step's path (encoder, decoder) also binds a direct lane beside its
-endpoint (`direct_endpoint`): a second ROUTER that only its compute thread touches. The other
-components' peers send their requests there, so a step's message reaches the compute thread, and
-its reply leaves it, without a hop through the I/O thread (a wake-up of a sleeping thread each,
-about 0.1 ms here). Health checks, `early` kinds and clients stay on the endpoint itself, which the
-I/O thread keeps answering while the compute thread works.
-
 Calls to other components go through a `Peer` (one DEALER per peer, used by one thread): every
 call has a deadline, and a monitor socket turns a peer's disconnect (its process died) into an
 UNAVAILABLE error at once instead of a wait that ZeroMQ would never end.
@@ -42,7 +35,6 @@ from dsv41.pipelines.schema import endpoint_problem
 LINGER_MS = 200
 HEARTBEAT_MS = 1000
 IPC_PATH_LIMIT = 107
-DIRECT_SUFFIX = ".direct"
 _ids = itertools.count(int(time.time() * 1000) << 16)
 
 
@@ -69,16 +61,6 @@ def check_endpoint(endpoint: str) -> None:
         problem = f"socket path is {len(path)} bytes; Unix sockets allow at most {IPC_PATH_LIMIT}"
     if problem:
         raise ValueError(f"Invalid zmq endpoint {endpoint!r}: {problem}")
-
-
-def direct_endpoint(endpoint: str) -> str | None:
-    """Where a component's direct lane is bound beside `endpoint` (the ipc path or inproc name with
-    DIRECT_SUFFIX), or None where it has none: tcp, whose one socket carries CURVE and heartbeats,
-    and an ipc path that the suffix would take over the length limit."""
-    if endpoint.startswith("inproc://"):
-        return endpoint + DIRECT_SUFFIX
-    path = endpoint.removeprefix("ipc://") + DIRECT_SUFFIX
-    return f"ipc://{path}" if endpoint.startswith("ipc://") and len(os.fsencode(path)) <= IPC_PATH_LIMIT else None
 
 
 # Seconds a closed listener's ipc file is given to disappear. A libzmq before 4.2.3 removes it in the
@@ -161,37 +143,6 @@ def make_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, keys_dir
 Reply = Callable[[m.Message, "m.Frames | None"], None]
 
 
-class Bell:
-    """What ends a compute thread's wait on its peers' replies (`Peer.receive_any`): a ring from the
-    I/O thread (a message went into the inbox) or a message on the direct lane, which hearing the
-    bell takes into the inbox. Only the compute thread polls or hears it."""
-
-    def __init__(self, ring: zmq.Socket, direct: zmq.Socket | None = None,
-                 take_direct: Callable[[], None] = lambda: None):
-        self._ring, self._take_direct = ring, take_direct
-        self.sockets = (ring,) if direct is None else (ring, direct)
-
-    def rang(self, ready: dict) -> bool:
-        """Whether a poll's result (`dict(poller.poll())`) holds one of the bell's sockets."""
-        return any(sock in ready for sock in self.sockets)
-
-    def hear(self) -> None:
-        """Consume the rings and take the direct lane's messages into the inbox."""
-        while self._ring.poll(0):
-            self._ring.recv()
-        self._take_direct()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait up to timeout_s for the bell; True (and heard) if it rang."""
-        poller = zmq.Poller()
-        for sock in self.sockets:
-            poller.register(sock, zmq.POLLIN)
-        rang = self.rang(dict(poller.poll(timeout_s * 1000)))
-        if rang:
-            self.hear()
-        return rang
-
-
 class Component:
     """What a component implements; the runtime does the rest."""
 
@@ -201,16 +152,14 @@ class Component:
     # kinds whose reply goes to the connection their `reply_to` names, when it names one, rather than
     # to the connection they came on (a relayed request answered straight to the one who asked)
     routed: frozenset[m.KIND] = frozenset()
-    direct_lane = False  # whether its server binds a direct lane (`direct_endpoint`) for `accepts`
 
     def __init__(self):
         self.counters: Counter[str] = Counter()
-        # messages waiting in the runtime's inbox, those on the direct lane included (set by the
-        # Server; the compute thread's to call): work can wait for more of its kind
+        # messages waiting in the runtime's inbox (set by the Server): work can wait for more of its kind
         self.inbox_size: Callable[[], int] = lambda: 0
-        # rings whenever a message has come in (set by the Server): a component that waits on a
-        # peer's replies waits on this too, so that a new request does not wait for them
-        self.inbox_bell: Bell | None = None
+        # readable whenever a message has come into the inbox (set by the Server): a component that
+        # waits on a peer's replies waits on this too, so that a new request does not wait for them
+        self.inbox_bell: zmq.Socket | None = None
 
     def handle(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
         raise NotImplementedError
@@ -237,35 +186,24 @@ class Component:
 
 
 class Server:
-    """Serves one component on one endpoint: an I/O thread plus the compute loop (`run`), and the
-    compute loop's direct lane where the component has one."""
+    """Serves one component on one endpoint: an I/O thread plus the compute loop (`run`)."""
 
     def __init__(self, component: Component, endpoint: str, keys_dir: Path | None = None,
                  ctx: zmq.Context | None = None, limits: m.Limits = m.DEFAULT_LIMITS):
         self.component, self.endpoint, self.limits = component, endpoint, limits
         self.kinds = component.accepts | component.early | {m.KIND.PING}
-        self.direct_kinds = component.accepts | {m.KIND.PING}  # `early` ones need the I/O thread
         self.ctx = ctx or zmq.Context.instance()
         self.stop_event = threading.Event()
         self.inbox: queue.Queue = queue.Queue()
-        component.inbox_size = self._inbox_size
+        component.inbox_size = self.inbox.qsize
         self._out_endpoint = f"inproc://dsv41-out-{id(self)}"
         self._lock = _IpcLock(endpoint) if endpoint.startswith("ipc://") else None
         tcp_keys = keys_dir if endpoint.startswith("tcp://") else None
         self._curve = CurveServer(self.ctx, tcp_keys) if tcp_keys is not None else None
-        self._router = self._direct = None
-        self.direct_endpoint = direct_endpoint(endpoint) if component.direct_lane else None
         try:
             self._router = make_socket(self.ctx, zmq.ROUTER, endpoint, bind=True, keys_dir=keys_dir, curve=self._curve,
                                        max_bytes=limits.largest(self.kinds))
-            if self.direct_endpoint is not None:
-                if self._lock is not None:  # ours under the endpoint's lock: a stale file of a killed process goes
-                    Path(self.direct_endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
-                self._direct = make_socket(self.ctx, zmq.ROUTER, self.direct_endpoint, bind=True,
-                                           max_bytes=limits.largest(self.direct_kinds))
         except Exception:
-            if self._router is not None:
-                self._router.close(0)
             self._release()
             raise
         self._pull = self.ctx.socket(zmq.PULL)
@@ -275,7 +213,7 @@ class Server:
         self._bell.setsockopt(zmq.LINGER, 0)
         self._bell.bind(self._bell_endpoint)
         self._ran = False
-        component.inbox_bell = self.bell = Bell(self._bell, self._direct, self._take_direct)
+        component.inbox_bell = self._bell
         self._started = time.monotonic()
         self._io = threading.Thread(target=self._io_loop, name=f"{component.name}-io", daemon=True)
         self._io.start()
@@ -292,7 +230,7 @@ class Server:
         while not self.stop_event.is_set():
             for sock, _ in poller.poll(100):
                 if sock is self._router:
-                    if self._receive(self._router.recv_multipart(copy=False), self._forward, self.kinds):
+                    if self._receive(self._router.recv_multipart(copy=False)):
                         with contextlib.suppress(zmq.Again):  # a ring is already waiting to be heard
                             ring.send(b"", zmq.NOBLOCK)
                 else:
@@ -301,24 +239,21 @@ class Server:
         self._router.close()
         self._pull.close()
 
-    def _receive(self, parts: list, answer: Callable[[list], None], kinds: frozenset[m.KIND],
-                 lane: zmq.Socket | None = None) -> bool:
-        """Answer, deliver or queue one message that came in on `lane` (None: the endpoint's, on the
-        I/O thread), answering pings and unreadable messages by `answer(parts)`; True if it went
-        into the inbox."""
+    def _receive(self, parts: list) -> bool:
+        """Answer, deliver or queue one incoming message; True if it went into the inbox."""
         counters = self.component.counters
         if len(parts) < 2:
             counters["dropped_frames"] += 1
             return False
         identity, body = parts[0], parts[1:]
         try:
-            message, frames = m.decode(body, kinds, self.limits)
+            message, frames = m.decode(body, self.kinds, self.limits)
         except m.MessageError as e:
             counters["bad_messages"] += 1
-            answer([identity, *m.encode(m.error_reply(0, e.code, self.component.name, str(e)))])
+            self._forward([identity, *m.encode(m.error_reply(0, e.code, self.component.name, str(e)))])
             return False
         if isinstance(message, m.Ping):
-            answer([identity, *m.encode(self._pong(message.request_id))])
+            self._forward([identity, *m.encode(self._pong(message.request_id))])
             return False
         if m.KIND_OF[type(message)] in self.component.early:
             try:
@@ -327,7 +262,7 @@ class Server:
                 counters["bad_deliveries"] += 1
             return False
         counters["requests"] += 1
-        self.inbox.put((lane, identity, message, frames))
+        self.inbox.put((identity, message, frames))
         return True
 
     def _pong(self, request_id: int) -> m.Pong:
@@ -341,25 +276,7 @@ class Server:
         except zmq.ZMQError:  # the peer is gone (ROUTER_MANDATORY) or not reading: its loss alone
             self.component.counters["unroutable_replies"] += 1
 
-    # --- compute thread --------------------------------------------------------------------------
-    def _take_direct(self) -> None:
-        """Take what the direct lane holds into the inbox (pings and unreadable messages are
-        answered there and then)."""
-        if self._direct is None:
-            return
-        while self._direct.poll(0):
-            self._receive(self._direct.recv_multipart(copy=False), self._send_direct, self.direct_kinds, self._direct)
-
-    def _send_direct(self, parts: list) -> None:
-        try:
-            self._direct.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # as `_forward`: a peer gone or not reading loses its reply alone
-            self.component.counters["unroutable_replies"] += 1
-
-    def _inbox_size(self) -> int:
-        self._take_direct()
-        return self.inbox.qsize()
-
+    # --- compute loop ----------------------------------------------------------------------------
     def run(self) -> None:
         """The compute loop, until `stop()`; closes the component on the way out."""
         self._ran = True
@@ -368,35 +285,23 @@ class Server:
         push.connect(self._out_endpoint)
         try:
             while not self.stop_event.is_set():
-                self._take_direct()
                 busy = self.component.tick()
                 try:
-                    lane, identity, message, frames = self.inbox.get_nowait()
+                    identity, message, frames = self.inbox.get(timeout=0 if busy else 0.05)
                 except queue.Empty:
-                    if not busy:
-                        self.bell.wait(0.05)
                     continue
-                self._dispatch(push, lane, identity, message, frames)
+                self._dispatch(push, identity, message, frames)
         finally:
             push.close()
-            self._close_compute_sockets()
+            self._bell.close()
             self.component.close()
 
-    def _close_compute_sockets(self) -> None:
-        self._bell.close()
-        if self._direct is not None:
-            self._direct.close()
-
-    def _dispatch(self, push: zmq.Socket, lane: zmq.Socket | None, identity, message: m.Message,
-                  frames: list[memoryview]) -> None:
+    def _dispatch(self, push: zmq.Socket, identity, message: m.Message, frames: list[memoryview]) -> None:
         if m.KIND_OF[type(message)] in self.component.routed and message.reply_to:
             identity = message.reply_to  # unknown to the ROUTER: dropped and counted (`unroutable_replies`)
 
         def reply(answer: m.Message, out: m.Frames | None = None) -> None:
             parts = [identity, *m.encode(answer, out)]
-            if lane is not None:
-                self._send_direct(parts)
-                return
             while True:
                 try:
                     push.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
@@ -416,13 +321,11 @@ class Server:
 
     def join(self, timeout: float = 5.0) -> None:
         self._io.join(timeout)
-        if not self._ran:  # the compute loop closes its sockets; it never ran
-            self._close_compute_sockets()
+        if not self._ran:  # the compute loop closes its end of the bell; it never ran
+            self._bell.close()
         self._release()
 
     def _release(self) -> None:
-        if self.direct_endpoint is not None and self.direct_endpoint.startswith("ipc://"):
-            Path(self.direct_endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -438,12 +341,7 @@ class Peer:
     """Calls to one component, from one thread: request/reply with a deadline, or a stream."""
 
     def __init__(self, endpoint: str, name: str, keys_dir: Path | None = None, timeout_s: float = 600.0,
-                 ctx: zmq.Context | None = None, limits: m.Limits = m.DEFAULT_LIMITS, routing_id: bytes | None = None,
-                 direct: bool = False):
-        """`direct`: call the component's compute thread on its direct lane, where it has one (a
-        component with `direct_lane`; on tcp the endpoint itself)."""
-        if direct:
-            endpoint = direct_endpoint(endpoint) or endpoint
+                 ctx: zmq.Context | None = None, limits: m.Limits = m.DEFAULT_LIMITS, routing_id: bytes | None = None):
         self.name, self.endpoint, self.timeout_s, self.limits = name, endpoint, timeout_s, limits
         self.routing_id = routing_id
         self.ctx = ctx or zmq.Context.instance()
@@ -509,17 +407,18 @@ class Peer:
         raise ComponentError(m.ErrorCode.UNAVAILABLE, self.name,
                              f"no reply within {timeout_s or self.timeout_s:.1f} s")
 
-    def receive_any(self, timeout_s: float, wake: Bell | None = None,
+    def receive_any(self, timeout_s: float, wake: zmq.Socket | None = None,
                     also: tuple[Peer, ...] = ()) -> tuple[m.Message, list[memoryview]] | None:
         """The next reply to any request, from this peer or those `also` named (an `Error` is
-        returned, not raised), or None when none comes within timeout_s or `wake` rings first (it
-        is heard); raises ComponentError, naming the peer, when one of them
+        returned, not raised), or None when none comes within timeout_s or `wake` becomes readable
+        first (its messages are consumed); raises ComponentError, naming the peer, when one of them
         disconnects or sends garbage. For a caller with several requests in flight (a scheduler's
         prefills and steps, whose replies may come straight from a component further on)."""
         peers = (self, *also)
         ready = dict(self._poller(wake, also).poll(max(0.0, timeout_s) * 1000))
-        if wake is not None and wake.rang(ready):
-            wake.hear()
+        if wake is not None and wake in ready:
+            while wake.poll(0):
+                wake.recv()
         for peer in peers:
             if peer.monitor is not None and peer.monitor in ready and peer._drain_monitor():
                 raise ComponentError(m.ErrorCode.UNAVAILABLE, peer.name, "disconnected while answering "
@@ -532,15 +431,14 @@ class Peer:
                     raise ComponentError(e.code, peer.name, f"sent an unreadable reply: {e}") from None
         return None
 
-    def _poller(self, wake: Bell | None, also: tuple[Peer, ...] = ()) -> zmq.Poller:
+    def _poller(self, wake: zmq.Socket | None, also: tuple[Peer, ...] = ()) -> zmq.Poller:
         """A poller of the reply sockets and disconnect monitors of this peer and `also`, and of
-        `wake`'s sockets, kept per combination."""
+        `wake`, kept per combination."""
         key = (id(wake), *map(id, also))
         poller = self._pollers.get(key)
         if poller is None:
             poller = self._pollers[key] = zmq.Poller()
-            bell = () if wake is None else wake.sockets
-            for sock in (self.sock, self.monitor, *bell, *(s for p in also for s in (p.sock, p.monitor))):
+            for sock in (self.sock, self.monitor, wake, *(s for p in also for s in (p.sock, p.monitor))):
                 if sock is not None:
                     poller.register(sock, zmq.POLLIN)
         return poller

@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from dsv41 import messages as m
-from dsv41.components.runtime import direct_endpoint, make_socket
+from dsv41.components.runtime import make_socket
 from dsv41.pipelines.launch import ProcessChild, Supervisor, ThreadChild, prepare_runtime_dir, with_overrides
 from dsv41.pipelines.schema import Pipeline, load_pipeline, resolve_endpoints
 
@@ -57,43 +57,34 @@ Answer = Callable[[m.Message, list[memoryview]], "tuple[m.Message, m.Frames | No
 
 
 class StandIn:
-    """ROUTERs at another component's endpoint, and at its direct lane where it has one (`direct`),
-    that record what arrives and answer with `answer`, on the socket the message came in on."""
+    """A ROUTER at another component's endpoint that records what arrives and answers with `answer`."""
 
-    def __init__(self, endpoint: str, answer: Answer, direct: bool = False):
+    def __init__(self, endpoint: str, answer: Answer):
         self.answer, self.received = answer, []
-        lane = direct_endpoint(endpoint) if direct else None
-        self.socks = [make_socket(zmq.Context.instance(), zmq.ROUTER, e, bind=True)
-                      for e in (endpoint, lane) if e is not None]
+        self.sock = make_socket(zmq.Context.instance(), zmq.ROUTER, endpoint, bind=True)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        for sock in self.socks:
-            poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
-            for sock, _ in poller.poll(50):
-                self._take(sock)
-
-    def _take(self, sock: zmq.Socket) -> None:
-        identity, *parts = sock.recv_multipart()
-        message, frames = m.decode(parts)
-        self.received.append((message, [bytes(f) for f in frames]))
-        answer = self.answer(message, frames)  # None (no reply), a reply, or a list of replies
-        for reply in answer if isinstance(answer, list) else [answer] if answer is not None else []:
-            try:
-                sock.send_multipart([identity, *m.encode(*reply)])
-            except zmq.ZMQError as e:  # the asker has gone (a test ending, a killed component)
-                if e.errno != zmq.EHOSTUNREACH:
-                    raise
+            if not self.sock.poll(50):
+                continue
+            identity, *parts = self.sock.recv_multipart()
+            message, frames = m.decode(parts)
+            self.received.append((message, [bytes(f) for f in frames]))
+            answer = self.answer(message, frames)  # None (no reply), a reply, or a list of replies
+            for reply in answer if isinstance(answer, list) else [answer] if answer is not None else []:
+                try:
+                    self.sock.send_multipart([identity, *m.encode(*reply)])
+                except zmq.ZMQError as e:  # the asker has gone (a test ending, a killed component)
+                    if e.errno != zmq.EHOSTUNREACH:
+                        raise
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
-        for sock in self.socks:
-            sock.close(0)
+        self.sock.close(0)
 
 
 def endpoints(pipeline: Pipeline, runtime_dir: Path) -> dict[str, str]:
