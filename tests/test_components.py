@@ -15,6 +15,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from dsv41 import messages as m
+from dsv41.components.dspark import DSparkComponent
 from dsv41.components.limits import pipeline_limits
 from dsv41.components.runtime import ComponentError, Peer, new_request_id
 from dsv41.config import load_config
@@ -424,6 +425,35 @@ def test_dspark_names_its_decoder_connection_only_while_the_decoder_holds_it(run
     while (named := generate(2)) != [named[0]] * 2 or not named[0]:
         assert time.monotonic() < deadline, f"the route never became dspark's own: {named}"
     assert named[0].startswith(b"dspark-") and len(named[0]) == len(b"dspark-") + 16
+
+
+@pytest.mark.parametrize("placement", ["thread"], indirect=True)
+def test_dspark_sends_the_next_step_before_a_landed_steps_tokens(running, monkeypatch):
+    """When a reply lands, its requests' next step goes out before their tokens go to the clients
+    (`_deliver`), so a step's round trip does not wait on them: the order on dspark's compute
+    thread, recorded in process. The last token has no next step."""
+    order = []
+    send_step, deliver = DSparkComponent._send_step, DSparkComponent._deliver
+
+    def recording_send_step(self):
+        order.append("step")
+        send_step(self)
+
+    def recording_deliver(self):
+        if self.outbox:
+            order.append(("tokens", [token for _, token, _ in self.outbox]))
+        deliver(self)
+
+    monkeypatch.setattr(DSparkComponent, "_send_step", recording_send_step)
+    monkeypatch.setattr(DSparkComponent, "_deliver", recording_deliver)
+    r = running("dspark", engram={"prefetch": False})
+    r.stand_in("tokenizer", lambda message, frames: (
+        m.Tokens(request_id=message.request_id, ids=m.pack_ids(list(message.text.encode()))), None))
+    r.stand_in("encoder", _token_12_encoder([]))
+    peer = r.start()
+    events = list(peer.stream(m.Generate(request_id=_rid(), prompt="hi", max_new_tokens=4, stop_at_eos=False)))
+    assert [e.token for e in events[:-1]] == [12] * 4 and isinstance(events[-1], m.Finished)
+    assert order == ["step", ("tokens", [12])] * 3 + [("tokens", [12])]
 
 
 @pytest.mark.parametrize("prefetch_steps", [False, True])
