@@ -26,13 +26,18 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from pipeline_overhead import start, through
 
-from dsv41.pipelines.launch import Supervisor
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.pipeline_overhead import start, through  # noqa: E402
+from dsv41.pipelines.launch import Supervisor  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -77,7 +82,7 @@ def session(trees: dict[str, Path], order: list[str], args, root: Path, prompts:
             "median_ratio_b_over_a": statistics.median(ratios)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tree_a", type=Path, help="A checkout of dsv41 (the baseline).")
     parser.add_argument("tree_b", type=Path, help="Another checkout (the change).")
@@ -85,13 +90,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="Rounds kept per session (each tree once a round).")
     parser.add_argument("--tokens", type=int, default=40, help="Tokens decoded per request (at least 2).")
     parser.add_argument("--prompt", type=int, default=64, help="Prompt tokens (random ids).")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     trees = {"A": args.tree_a.resolve(), "B": args.tree_b.resolve()}
     for tree in trees.values():
         if not (tree / "dsv41" / "components" / "host.py").exists():
             parser.error(f"{tree} is not a dsv41 checkout")
-    if args.tokens < 2 or args.rounds < 1:
-        parser.error("--tokens must be at least 2 and --rounds at least 1")
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2 (the time per token is between tokens)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.prompt < 1:
+        parser.error("--prompt must be at least 1")
     torch.set_num_threads(1)
     prompts = [torch.randint(17, 4096, (args.prompt,), generator=torch.Generator().manual_seed(r)).tolist()
                for r in range(args.rounds + 1)]
