@@ -40,8 +40,9 @@ def _loop(a, a_scale, w, w_scale) -> torch.Tensor:
 
 
 def test_the_loop_sums_each_block_by_fused_multiply_adds_in_order(rng):
-    """On any machine: far-apart scales, so that another order of the blocks or within them shows."""
-    for m, n, nk in [(1, 1, 1), (1, 96, 6), (3, 37, 4), (16, 64, 2)]:
+    """On any machine: far-apart scales, so that another order of the blocks or within them shows;
+    row counts that the loop takes four at a time, one at a time, and both."""
+    for m, n, nk in [(1, 1, 1), (1, 96, 6), (3, 37, 4), (16, 64, 2), (7, 45, 3)]:
         a, w = _fp8(rng, m, nk * 32), _fp8(rng, n, nk * 32)
         a_scale, w_scale = _scales(rng, m, nk), _scales(rng, n, nk)
         got = _loop(a, a_scale, w, w_scale)
