@@ -34,7 +34,7 @@ def _loop_shapes(attn, hidden: int) -> list[tuple[int, int]]:
 
 
 def test_inputs_by_loop_give_the_operators_bits(mini, rng):
-    """Every layer kind (both rotation tables), 1 to 5 rows at random positions, magnitudes 2^-6 to
+    """Every layer kind (both rotation tables), 1 to 9 rows at random positions, magnitudes 2^-6 to
     2^6: qr, q and kv have the operators' bits, and the loop served every call."""
     t = mini.config.text_config
     skip_where_the_gemm_sums_blocks_otherwise(sorted({shape for layer in mini.layers
@@ -44,7 +44,7 @@ def test_inputs_by_loop_give_the_operators_bits(mini, rng):
         for layer in mini.layers:
             attn = layer.attn
             table = tables[Rope.PLAIN] if not attn.spec.ratio else tables[Rope.YARN]
-            for rows in (1, 2, 5):
+            for rows in (1, 2, 5, 9):
                 x = (torch.randn(1, rows, t.hidden_size, generator=rng)
                      * 2.0 ** torch.randint(-6, 7, (1, rows, 1), generator=rng)).bfloat16()
                 start = int(torch.randint(0, 4000, (), generator=rng))

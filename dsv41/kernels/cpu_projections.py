@@ -69,36 +69,42 @@ def attention_inputs(x: np.ndarray, wa_t: np.ndarray, wa_scale_t: np.ndarray, q_
     rows, dim = x.shape
     q_rank, head_dim = q_weight.shape[0], kv_weight.shape[0]
     pairs = table.shape[1]
-    row, scales = np.empty((1, dim), np.float32), np.empty((1, dim // 32), np.float32)
-    values = np.empty((1, dim), np.float32)
-    both = np.empty((1, q_rank + head_dim), np.float32)
-    low, low_values, low_scales = np.empty((1, q_rank), np.float32), np.empty((1, q_rank), np.float32), \
-        np.empty((1, q_rank // 32), np.float32)
-    q = np.empty((1, heads * head_dim), np.float32)
+    # every row's step before the next step of any row: each product then reads its weight once
+    # for all rows (`block_scaled_rows`); a row's operations and their order are its own either way
+    row, scales = np.empty((rows, dim), np.float32), np.empty((rows, dim // 32), np.float32)
+    values = np.empty((rows, dim), np.float32)
+    both = np.empty((rows, q_rank + head_dim), np.float32)
+    low, low_values, low_scales = np.empty((rows, q_rank), np.float32), np.empty((rows, q_rank), np.float32), \
+        np.empty((rows, q_rank // 32), np.float32)
+    q = np.empty((rows, heads * head_dim), np.float32)
     kv = np.empty(head_dim, np.float32)
     q_scale, kv_scale = np.empty(q_rank, np.float32), np.empty(head_dim, np.float32)
     squares = np.empty(max(q_rank, head_dim), np.float32)
     bf16_values(q_weight, q_scale)
     bf16_values(kv_weight, kv_scale)
     for r in range(rows):
+        bf16_values(x[r], row[r])
+    if not fp8_quantize_rows(row, values, scales):
+        return False
+    block_scaled_rows(values, scales, wa_t, wa_scale_t, both)
+    for r in range(rows):
+        round_to_bf16(both[r])
+        low[r] = both[r, :q_rank]
+        rms_norm_row(low[r], q_scale, eps, q_width, squares[:q_rank])
+        if not bf16_bits(low[r], qr_out[r]):
+            return False
+    if not fp8_quantize_rows(low, low_values, low_scales):
+        return False
+    block_scaled_rows(low_values, low_scales, wb_t, wb_scale_t, q)
+    for r in range(rows):
         position = table[r % table.shape[0]]
-        bf16_values(x[r], row[0])
-        if not fp8_quantize_rows(row, values, scales):
-            return False
-        block_scaled_rows(values, scales, wa_t, wa_scale_t, both)
-        round_to_bf16(both[0])
-        low[0] = both[0, :q_rank]
-        rms_norm_row(low[0], q_scale, eps, q_width, squares[:q_rank])
-        if not bf16_bits(low[0], qr_out[r]) or not fp8_quantize_rows(low, low_values, low_scales):
-            return False
-        block_scaled_rows(low_values, low_scales, wb_t, wb_scale_t, q)
-        round_to_bf16(q[0])
+        round_to_bf16(q[r])
         for h in range(heads):
-            rotate_pairs(q[0], (h + 1) * head_dim - 2 * pairs, position)
-        kv[:] = both[0, q_rank:]
+            rotate_pairs(q[r], (h + 1) * head_dim - 2 * pairs, position)
+        kv[:] = both[r, q_rank:]
         rms_norm_row(kv, kv_scale, eps, kv_width, squares[:head_dim])
         round_to_bf16(kv)
         rotate_pairs(kv, head_dim - 2 * pairs, position)
-        if not bf16_bits(q[0], q_out[r]) or not bf16_bits(kv, kv_out[r]):
+        if not bf16_bits(q[r], q_out[r]) or not bf16_bits(kv, kv_out[r]):
             return False
     return True
