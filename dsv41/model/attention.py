@@ -331,7 +331,12 @@ class Attention(nn.Module):
             o = self._attend_one(x, qr, q, kv, table, shared)
         o = rotate(o, rows, inverse=True).view(b, s, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)
-        if shared.split_sizes:  # each sequence through its own bf16 GEMM: its sums can change with the row count
+        # one token of each sequence: every one's one-row GEMM in one loop call, as alone
+        one_row_each = b * s == 1 or (b == 1 and bool(shared.split_sizes) and max(shared.split_sizes) == 1)
+        by_rows = self.wo_a.one_row_products(o.view(b * s, self.n_groups, -1), self.n_groups) if one_row_each else None
+        if by_rows is not None:
+            o = by_rows.view(b, s, self.n_groups, -1)
+        elif shared.split_sizes:  # each sequence through its own bf16 GEMM: its sums can change with the row count
             o = torch.cat([numerics.grouped_projection(piece, wo_a) for piece in o.split(shared.split_sizes, dim=1)],
                           dim=1)
         else:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.kernels import cpu_loops
+from dsv41.kernels import cpu_bf16_rows, cpu_loops
 from dsv41.model import numerics
 from dsv41.model.quant import (
     LoopLayout,
@@ -62,6 +62,7 @@ class Linear(nn.Module):
         self._dequant: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
         self._scaled: tuple[torch.Tensor, torch.Tensor] | None = None
         self._loop: tuple[torch.Tensor, LoopLayout] | None = None
+        self._rows_layout: tuple[tuple, torch.Tensor | None] | None = None
 
     def version(self) -> tuple[int, int, int]:
         """Changes whenever the weight or its scale does: the key of caches derived from them. Read
@@ -99,6 +100,35 @@ class Linear(nn.Module):
         if self._loop is None or self._loop[0] is not values:
             self._loop = (values, loop_layout(values, scale))
         return self._loop[1]
+
+    def one_row_products(self, x: torch.Tensor, groups: int) -> torch.Tensor | None:
+        """x [R, groups, in/groups] bf16 -> [R, groups, out/groups]: each row's group g times group g's
+        rows of this bf16 weight, each with the bits of that row's own one-row GEMM
+        (`numerics.grouped_projection` of it alone), all in one compiled loop (`cpu_bf16_rows`;
+        torch pays about 35 µs around each such GEMM). None where the loop does not serve: stable
+        numerics, autograd, a shape whose order `cpu_bf16_rows.find_order` did not find on this
+        machine, a weight or a row outside the loop's exact range."""
+        weight = self._parameters["weight"]
+        if (numerics.is_stable() or torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.bfloat16
+                or weight.dtype != torch.bfloat16):
+            return None
+        rows, _, k = x.shape
+        n = self.out_features // groups
+        order = cpu_bf16_rows.find_order(groups, k, n, torch.get_num_threads())
+        if order is None:
+            return None
+        key = (weight.data_ptr(), weight._version, groups)
+        if self._rows_layout is None or self._rows_layout[0] != key:
+            w = weight.view(groups, n, k)
+            self._rows_layout = (key, cpu_bf16_rows.layout(w) if cpu_bf16_rows.weight_in_range(w) else None)
+        layout = self._rows_layout[1]
+        if layout is None:
+            return None
+        out = torch.empty(rows, groups, n, dtype=torch.bfloat16)
+        if not cpu_bf16_rows.products(x.contiguous().view(torch.int16).numpy(), layout.numpy(), *order,
+                                      out.view(torch.int16).numpy()):
+            return None
+        return out
 
     def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None,
                 rows: list[int] | None = None) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""One-row bf16 products in one loop (`dsv41/kernels/cpu_bf16_rows.py`, `Linear.one_row_products`):
+the loop's order against a machine-independent twin, its bits against this machine's GEMM where
+the probe found the GEMM's order, and the calls it hands back to the GEMM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.kernels import cpu_bf16_rows
+from dsv41.model import numerics
+from dsv41.model.layers import Linear, Storage
+from dsv41.model.numerics import stable_numerics
+
+
+def _twin(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int) -> torch.Tensor:
+    """The documented order in float64 arithmetic rounded to float32 after every addition (a product
+    of two bf16 values is exact in both): x [R, g, K], w [g, N, K] -> [R, g, N] bf16."""
+    k = x.size(-1)
+    block = block or k
+    products = x.double().unsqueeze(-2) * w.double()  # [R, g, N, K]
+    total = torch.zeros(products.shape[:-1], dtype=torch.float32)
+    for first in range(0, k, block):
+        accs = [torch.zeros_like(total) for _ in range(lanes)]
+        for c in range(first, min(k, first + block)):
+            accs[c % lanes] = (accs[c % lanes].double() + products[..., c]).float()
+        part = accs[0]
+        for acc in accs[1:]:
+            part = (part.double() + acc.double()).float()
+        total = (total.double() + part.double()).float()
+    return total.bfloat16()
+
+
+def _loop(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int) -> torch.Tensor | None:
+    out = torch.empty(x.size(0), w.size(0), w.size(1), dtype=torch.bfloat16)
+    done = cpu_bf16_rows.products(x.contiguous().view(torch.int16).numpy(), cpu_bf16_rows.layout(w).numpy(), lanes,
+                                  block, out.view(torch.int16).numpy())
+    return out if done else None
+
+
+def _spread_rows(rng: torch.Generator, *shape: int) -> torch.Tensor:
+    """bf16 values whose magnitudes span 2^-12 to 2^12: another order of their sums shows."""
+    spread = torch.exp2(torch.randint(-12, 13, shape, generator=rng).float())
+    return (torch.randn(*shape, generator=rng) * spread).bfloat16()
+
+
+@pytest.mark.parametrize(("lanes", "block"), [(2, 32), (4, 0), (1, 0), (8, 64)])
+def test_the_loop_adds_in_the_documented_order(rng, lanes, block):
+    """On any machine: every candidate order, rows of two groups, K a few blocks long."""
+    x, w = _spread_rows(rng, 5, 2, 128), _spread_rows(rng, 2, 24, 128)
+    assert torch.equal(_loop(x, w, lanes, block).view(torch.int16), _twin(x, w, lanes, block).view(torch.int16))
+
+
+def test_the_orders_differ_on_order_revealing_values():
+    """2^20, -2^20 and 2^-10 in one column: the sum is 2^-10 only where the small value is not added
+    to a sum holding just one of the large ones. One pass adds it between them; two lanes put it in
+    the odd lane, apart from both: the orders disagree (what the probe relies on)."""
+    w = torch.zeros(1, 1, 64)
+    w[0, 0, [0, 2, 1]] = torch.tensor([2.0**20, -(2.0**20), 2.0**-10])  # the small one between them
+    x = torch.ones(1, 1, 64).bfloat16()
+    one_pass, by_blocks = _loop(x, w.bfloat16(), 1, 0), _loop(x, w.bfloat16(), 2, 32)
+    assert float(one_pass) == 0.0 and float(by_blocks) == 2.0**-10
+
+
+@pytest.mark.parametrize(("groups", "k", "n"), [(2, 128, 64), (2, 1024, 128)])
+def test_where_the_probe_finds_the_gemms_order_the_loop_gives_its_bits(rng, groups, k, n):
+    """`small`'s and `mini`'s `wo_a` shapes: each row through `Linear.one_row_products` has the bits
+    of its own one-row GEMM; where the probe found no order the GEMM keeps every row."""
+    linear = Linear(k, groups * n, Storage.BF16)  # as `wo_a`: every group's rows take the same K inputs
+    with torch.inference_mode():
+        linear.weight.copy_((torch.randn(groups * n, k, generator=rng) * 0.05).bfloat16())
+        x = (torch.randn(9, groups, k, generator=rng) * torch.exp2(torch.randint(-6, 7, (9, 1, 1), generator=rng)))
+        x = x.bfloat16()
+        got = linear.one_row_products(x, groups)
+        if cpu_bf16_rows.find_order(groups, k, n, torch.get_num_threads()) is None:
+            assert got is None
+            return
+        w = linear.weight.view(groups, n, k)
+        for r in range(x.size(0)):
+            alone = numerics.grouped_projection(x[r].view(1, 1, groups, k), w).view(groups, n)
+            assert torch.equal(got[r].view(torch.int16), alone.view(torch.int16)), r
+
+
+def test_a_gemm_in_no_order_of_the_family_is_not_matched(monkeypatch):
+    """A product summed exactly (float64, rounded once) loses no small value on the order-revealing
+    rows: no candidate order matches it, so the loop would not stand in for it."""
+    def exact(x, w):
+        return torch.einsum("bsgd,grd->bsgr", x.double(), w.double()).bfloat16()
+
+    monkeypatch.setattr(numerics, "grouped_projection", exact)
+    cpu_bf16_rows.find_order.cache_clear()
+    try:
+        assert cpu_bf16_rows.find_order(2, 128, 64, 1) is None
+    finally:
+        cpu_bf16_rows.find_order.cache_clear()
+
+
+def test_rows_and_weights_outside_the_exact_range_and_other_modes_go_to_the_gemm(rng):
+    """A row holding 2^-60, an infinity or a NaN; a weight holding 2^60; stable numerics and autograd."""
+    groups, k, n = 2, 128, 64
+    if cpu_bf16_rows.find_order(groups, k, n, torch.get_num_threads()) is None:
+        pytest.skip("this machine's one-row bf16 GEMM sums in no order of the loop's family")
+    linear = Linear(k, groups * n, Storage.BF16)  # as `wo_a`: every group's rows take the same K inputs
+    with torch.inference_mode():
+        linear.weight.copy_((torch.randn(groups * n, k, generator=rng) * 0.05).bfloat16())
+        x = torch.randn(3, groups, k, generator=rng).bfloat16()
+        assert linear.one_row_products(x, groups) is not None
+        for bad in (2.0**-60, float("inf"), float("nan")):
+            odd = x.clone()
+            odd[1, 1, 5] = bad
+            assert linear.one_row_products(odd, groups) is None, bad
+        with stable_numerics():
+            assert linear.one_row_products(x, groups) is None
+        linear.weight[3, 7] = 2.0**60
+        assert linear.one_row_products(x, groups) is None
+    assert torch.is_grad_enabled() and linear.one_row_products(x, groups) is None
