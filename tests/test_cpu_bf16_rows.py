@@ -72,7 +72,7 @@ def test_where_the_probe_finds_the_gemms_order_the_loop_gives_its_bits(rng, grou
         x = (torch.randn(9, groups, k, generator=rng) * torch.exp2(torch.randint(-6, 7, (9, 1, 1), generator=rng)))
         x = x.bfloat16()
         got = linear.one_row_products(x, groups)
-        if cpu_bf16_rows.find_order(groups, k, n, torch.get_num_threads()) is None:
+        if cpu_bf16_rows.find_order("grouped", groups, k, n, torch.get_num_threads()) is None:
             assert got is None
             return
         w = linear.weight.view(groups, n, k)
@@ -90,7 +90,7 @@ def test_a_gemm_in_no_order_of_the_family_is_not_matched(monkeypatch):
     monkeypatch.setattr(numerics, "grouped_projection", exact)
     cpu_bf16_rows.find_order.cache_clear()
     try:
-        assert cpu_bf16_rows.find_order(2, 128, 64, 1) is None
+        assert cpu_bf16_rows.find_order("grouped", 2, 128, 64, 1) is None
     finally:
         cpu_bf16_rows.find_order.cache_clear()
 
@@ -98,7 +98,7 @@ def test_a_gemm_in_no_order_of_the_family_is_not_matched(monkeypatch):
 def test_rows_and_weights_outside_the_exact_range_and_other_modes_go_to_the_gemm(rng):
     """A row holding 2^-60, an infinity or a NaN; a weight holding 2^60; stable numerics and autograd."""
     groups, k, n = 2, 128, 64
-    if cpu_bf16_rows.find_order(groups, k, n, torch.get_num_threads()) is None:
+    if cpu_bf16_rows.find_order("grouped", groups, k, n, torch.get_num_threads()) is None:
         pytest.skip("this machine's one-row bf16 GEMM sums in no order of the loop's family")
     linear = Linear(k, groups * n, Storage.BF16)  # as `wo_a`: every group's rows take the same K inputs
     with torch.inference_mode():
@@ -114,3 +114,24 @@ def test_rows_and_weights_outside_the_exact_range_and_other_modes_go_to_the_gemm
         linear.weight[3, 7] = 2.0**60
         assert linear.one_row_products(x, groups) is None
     assert torch.is_grad_enabled() and linear.one_row_products(x, groups) is None
+
+
+def test_a_bf16_linear_of_one_token_each_takes_the_loop_with_each_tokens_bits(rng, monkeypatch):
+    """`Linear.forward` of a bf16 weight (N = 64, as the ratio-1 compressor's): one token alone, and
+    one token of each of five sequences (`rows` all 1), each with the bits of its own GEMM; a
+    sequence of two tokens keeps the GEMM."""
+    linear = Linear(192, 64, Storage.BF16)
+    served = []
+    real = Linear.one_row_products
+    monkeypatch.setattr(Linear, "one_row_products", lambda *a: served.append(real(*a)) or served[-1])
+    with torch.inference_mode():
+        linear.weight.copy_((torch.randn(64, 192, generator=rng) * 0.05).bfloat16())
+        x = (torch.randn(1, 5, 192, generator=rng) * torch.exp2(torch.randint(-6, 7, (1, 5, 1), generator=rng)))
+        x = x.bfloat16()
+        alone = torch.cat([numerics.linear(x[:, i : i + 1], linear.weight) for i in range(5)], dim=1)
+        assert torch.equal(linear(x, rows=[1] * 5).view(torch.int16), alone.view(torch.int16))
+        assert torch.equal(linear(x[:, 2:3]).view(torch.int16), alone[:, 2:3].view(torch.int16))
+        found = cpu_bf16_rows.find_order("linear", 1, 192, 64, torch.get_num_threads()) is not None
+        assert [y is not None for y in served] == [found, found]
+        linear(x, rows=[2, 3])
+        assert len(served) == 2

@@ -85,12 +85,14 @@ def weight_in_range(w: torch.Tensor) -> bool:
 
 
 @functools.cache
-def find_order(groups: int, k: int, n: int, threads: int) -> tuple[int, int] | None:
+def find_order(path: str, groups: int, k: int, n: int, threads: int) -> tuple[int, int] | None:
     """The (lanes, block) of `CANDIDATE_ORDERS` whose sums equal this machine's one-row bf16 GEMM
-    [groups, 1, k] x [groups, k, n] on order-revealing rows (2^20, -2^20 and 2^-10 at random places
-    of each column, half of them within one block of 32), random rows of spread magnitudes and a
-    zero row against negative weights; None where none does (the GEMM then stays). The kernel is
-    picked by shape and thread count, not by value, so this is decided once per shape."""
+    [groups, 1, k] x [groups, k, n] (`path` "grouped": `numerics.grouped_projection` of one token;
+    "linear", one group: `numerics.linear` of one token [1, 1, k]) on order-revealing rows (2^20,
+    -2^20 and 2^-10 at random places of each column, half of them within one block of 32), random
+    rows of spread magnitudes and a zero row against negative weights; None where none does (the
+    GEMM then stays). The kernel is picked by shape and thread count, not by value, so this is
+    decided once per shape."""
     generator = torch.Generator().manual_seed(0)
     weights, rows = [], []  # rows [g, k], weights [g, n, k] as `numerics.grouped_projection` takes them
     for _ in range(4):
@@ -111,14 +113,23 @@ def find_order(groups: int, k: int, n: int, threads: int) -> tuple[int, int] | N
     weights.append(-weights[1].abs())
     rows.append(torch.zeros(groups, k).bfloat16())
     with torch.inference_mode():
-        wanted = [numerics.grouped_projection(x.view(1, 1, groups, k), w).view(groups, n)
-                  for x, w in zip(rows, weights, strict=True)]
+        wanted = [_gemm(path, x, w) for x, w in zip(rows, weights, strict=True)]
         for lanes, block in CANDIDATE_ORDERS:
             if k < block or (block and k % block):
                 continue
             if all(_loop_equals(x, w, lanes, block, want) for x, w, want in zip(rows, weights, wanted, strict=True)):
                 return lanes, block
     return None
+
+
+def _gemm(path: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The GEMM that `path` names, of one row x [g, k] by w [g, n, k] -> [g, n]."""
+    groups, k = x.shape
+    if path == "grouped":
+        return numerics.grouped_projection(x.view(1, 1, groups, k), w).view(groups, -1)
+    if path == "linear" and groups == 1:
+        return numerics.linear(x.view(1, 1, k), w[0]).view(1, -1)
+    raise ValueError(f"no one-row GEMM {path!r} of {groups} groups")
 
 
 def layout(w: torch.Tensor) -> torch.Tensor:

@@ -101,10 +101,11 @@ class Linear(nn.Module):
             self._loop = (values, loop_layout(values, scale))
         return self._loop[1]
 
-    def one_row_products(self, x: torch.Tensor, groups: int) -> torch.Tensor | None:
+    def one_row_products(self, x: torch.Tensor, groups: int, path: str = "grouped") -> torch.Tensor | None:
         """x [R, groups, in/groups] bf16 -> [R, groups, out/groups]: each row's group g times group g's
-        rows of this bf16 weight, each with the bits of that row's own one-row GEMM
-        (`numerics.grouped_projection` of it alone), all in one compiled loop (`cpu_bf16_rows`;
+        rows of this bf16 weight, each with the bits of that row's own one-row GEMM (`path`:
+        `numerics.grouped_projection` of it alone, or, one group, `numerics.linear` of it alone),
+        all in one compiled loop (`cpu_bf16_rows`;
         torch pays about 35 µs around each such GEMM). None where the loop does not serve: stable
         numerics, autograd, a shape whose order `cpu_bf16_rows.find_order` did not find on this
         machine, a weight or a row outside the loop's exact range."""
@@ -114,7 +115,7 @@ class Linear(nn.Module):
             return None
         rows, _, k = x.shape
         n = self.out_features // groups
-        order = cpu_bf16_rows.find_order(groups, k, n, torch.get_num_threads())
+        order = cpu_bf16_rows.find_order(path, groups, k, n, torch.get_num_threads())
         if order is None:
             return None
         key = (weight.data_ptr(), weight._version, groups)
@@ -130,6 +131,16 @@ class Linear(nn.Module):
             return None
         return out
 
+    def _one_row_each(self, x: torch.Tensor, rows: list[int] | None) -> torch.Tensor | None:
+        """`numerics.linear` of a bf16 weight by the one-row loop, where x [1, s, in] holds one token
+        alone or one token of each sequence of a batch (`rows` all 1); None elsewhere."""
+        if self.storage is not Storage.BF16 or x.dim() != 3 or x.size(0) != 1:
+            return None
+        if not (x.size(1) == 1 or (rows is not None and max(rows) == 1)):
+            return None
+        y = self.one_row_products(x.view(x.size(1), 1, x.size(2)), 1, "linear")
+        return None if y is None else y.view(1, x.size(1), self.out_features)
+
     def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None,
                 rows: list[int] | None = None) -> torch.Tensor:
         """y = x W^T; `quantized` is x already through `quantize_rows` (linears that share an input
@@ -139,7 +150,8 @@ class Linear(nn.Module):
         along x's second-to-last axis; a bf16/fp32 weight's GEMM then runs per sequence, as alone
         (`numerics.linear`); the block-scaled products of a quantized weight sum each row alone anyway."""
         if self.scale is None:
-            return numerics.linear(x, self.weight, rows)
+            y = self._one_row_each(x, rows)
+            return y if y is not None else numerics.linear(x, self.weight, rows)
         fast = numerics.opt_in("DSV41_FAST_GEMM", "one GEMM per quantized linear")
         if quantized is None and not fast and loop_serves(x.reshape(-1, x.size(-1)), self.out_features):
             y = quantized_block_scaled_rows(x, self.loop_layout())
