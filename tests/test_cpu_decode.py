@@ -316,3 +316,13 @@ def test_rms_norm_loop_gives_the_operators_bits(rng, dtype):
             assert dtype == torch.bfloat16 and want.isnan().any()
         else:
             assert torch.equal(got.view(bits), want.view(bits)), n
+
+
+def test_passes_take_as_many_queries_as_their_keys_allow():
+    """`small`'s 128-slot tables of 64 channels (32 KB a query): 32 queries a pass, shared among the
+    sequences; `mini`'s 640 slots of 512 channels (1.3 MB a query): the fewest, 8; a table so wide
+    that 8 queries' scores would pass the limit: fewer."""
+    assert torch_ops._pass_queries(1, 4, 64, 128) == torch_ops.PASS_QUERIES_MOST == 32
+    assert torch_ops._pass_queries(4, 4, 64, 128) == 8
+    assert torch_ops._pass_queries(1, 4, 512, 640) == torch_ops.COMPILED_PASS_QUERIES == 8
+    assert torch_ops._pass_queries(1, 16, 64, 512) == torch_ops.CHUNKS_AT_ONCE_LIMIT // (16 * 512) == 4

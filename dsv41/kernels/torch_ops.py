@@ -68,7 +68,19 @@ def _operator_passes(q, kv, sink, idx, scale: float) -> torch.Tensor:
 
 
 PASS_KEYS_BYTES = 1 << 20  # a pass's gathered fp32 keys up to which they are gathered at once, not per query
-COMPILED_PASS_QUERIES = 8  # queries (of all sequences) per pass of _compiled_passes (best of 1-8 on `mini`)
+COMPILED_PASS_QUERIES = 8  # the fewest queries (of all sequences) a pass of _compiled_passes takes (`mini`: 1-8 best)
+PASS_QUERIES_MOST = 32  # the most, where their keys fit PASS_KEYS_BYTES (`small`: 32, 0.87-0.92x the time of 8)
+
+
+def _pass_queries(b: int, h: int, d: int, width: int) -> int:
+    """Queries per pass of `_compiled_passes`, of each of b sequences: as many as PASS_KEYS_BYTES of
+    gathered keys hold (tables `width` slots of d channels), within COMPILED_PASS_QUERIES and
+    PASS_QUERIES_MOST, and within CHUNKS_AT_ONCE_LIMIT scores. Short tables (`small`'s 128 slots)
+    then pay a pass's fixed cost a quarter as often; long ones (`mini`'s 640 slots of 512
+    channels, 1.3 MB a query) keep eight, where sixteen were 5 % slower at 2K tokens."""
+    fitting = PASS_KEYS_BYTES // (width * d * 4)
+    wanted = min(PASS_QUERIES_MOST, max(COMPILED_PASS_QUERIES, fitting))
+    return max(1, min(wanted, CHUNKS_AT_ONCE_LIMIT // (h * width)) // b)
 
 
 def _compiled_passes_serve(q: torch.Tensor, idx: torch.Tensor) -> bool:
@@ -83,12 +95,12 @@ def _compiled_passes_serve(q: torch.Tensor, idx: torch.Tensor) -> bool:
 def _compiled_passes(q, kv, sink, idx, scale: float) -> torch.Tensor:
     """`sparse_attention` of a prefill in passes of a few queries through `_compiled_chunks`: the
     operators' bits, a dozen calls a pass instead of about fifteen a chunk of 64 keys. A pass's keys
-    are gathered at once where they take at most PASS_KEYS_BYTES (256 KB for eight queries on
-    `small`: two calls a pass instead of sixteen); larger ones are gathered one query at a time just
+    are gathered at once where they take at most PASS_KEYS_BYTES (1 MB for 32 queries on `small`:
+    two calls a pass instead of 64); larger ones are gathered one query at a time just
     before each of its two GEMMs (`KeysByQuery`), into a table that stays in the L2 (1.3 MB a query
     on `mini`). A pass the loops hand back is computed by the operators."""
     b, m, h, d = q.shape
-    step = max(1, min(COMPILED_PASS_QUERIES, CHUNKS_AT_ONCE_LIMIT // (h * idx.size(-1))) // b)  # within the limit
+    step = _pass_queries(b, h, d, idx.size(-1))
     widths = _pass_widths(kv, idx, step)
     rows, picked = flat_rows(kv, idx)
     qf = q.float()
