@@ -95,8 +95,9 @@ def test_a_gemm_in_no_order_of_the_family_is_not_matched(monkeypatch):
         cpu_bf16_rows.find_order.cache_clear()
 
 
-def test_rows_and_weights_outside_the_exact_range_and_other_modes_go_to_the_gemm(rng):
-    """A row holding 2^-60, an infinity or a NaN; a weight holding 2^60; stable numerics and autograd."""
+def test_rows_and_weights_outside_the_exact_range_and_other_modes_go_to_the_gemm(rng, monkeypatch):
+    """A row holding 2^-60, an infinity or a NaN; a weight holding 2^60 or more values than
+    `MOST_WEIGHTS`; stable numerics and autograd."""
     groups, k, n = 2, 128, 64
     if cpu_bf16_rows.find_order("grouped", groups, k, n, torch.get_num_threads()) is None:
         pytest.skip("this machine's one-row bf16 GEMM sums in no order of the loop's family")
@@ -111,6 +112,9 @@ def test_rows_and_weights_outside_the_exact_range_and_other_modes_go_to_the_gemm
             assert linear.one_row_products(odd, groups) is None, bad
         with stable_numerics():
             assert linear.one_row_products(x, groups) is None
+        monkeypatch.setattr(cpu_bf16_rows, "MOST_WEIGHTS", linear.weight.numel() - 1)
+        assert linear.one_row_products(x, groups) is None
+        monkeypatch.undo()
         linear.weight[3, 7] = 2.0**60
         assert linear.one_row_products(x, groups) is None
     assert torch.is_grad_enabled() and linear.one_row_products(x, groups) is None

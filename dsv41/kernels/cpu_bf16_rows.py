@@ -33,6 +33,10 @@ from dsv41.kernels.cpu_loops import bf16_high_bits, bf16_values
 from dsv41.model import numerics
 
 SMALLEST, LARGEST = 2.0**-56, 2.0**56  # every nonzero magnitude within [SMALLEST, LARGEST)
+# the largest weight (values) the loop takes: `mini`'s `wo_a` (2 x 128 x 1,024), whose GEMM costs about
+# what torch's call around it does; the official `wo_a` (8 x 1,024 x 4,096) is 128 times that, a
+# GEMM of about a millisecond whose fp32 copy would hold 134 MB a layer
+MOST_WEIGHTS = 1 << 18
 # (lanes, block) pairs tried in turn; a block as long as K is one pass over it
 CANDIDATE_ORDERS = ((2, 32), (4, 0), (1, 0), (2, 0), (8, 0), (1, 32), (4, 32), (8, 32), (2, 64), (4, 64))
 

@@ -105,13 +105,14 @@ class Linear(nn.Module):
         """x [R, groups, in/groups] bf16 -> [R, groups, out/groups]: each row's group g times group g's
         rows of this bf16 weight, each with the bits of that row's own one-row GEMM (`path`:
         `numerics.grouped_projection` of it alone, or, one group, `numerics.linear` of it alone),
-        all in one compiled loop (`cpu_bf16_rows`;
-        torch pays about 35 µs around each such GEMM). None where the loop does not serve: stable
-        numerics, autograd, a shape whose order `cpu_bf16_rows.find_order` did not find on this
-        machine, a weight or a row outside the loop's exact range."""
+        all in one compiled loop (`cpu_bf16_rows`; torch pays about 35 µs around each such GEMM).
+        None where the loop does not serve: stable numerics, autograd, a weight of more than
+        `cpu_bf16_rows.MOST_WEIGHTS` values (the GEMM's own work then outweighs the call, and the
+        loop's fp32 copy would be large), a shape whose order `cpu_bf16_rows.find_order` did not
+        find on this machine, a weight or a row outside the loop's exact range."""
         weight = self._parameters["weight"]
         if (numerics.is_stable() or torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.bfloat16
-                or weight.dtype != torch.bfloat16):
+                or weight.dtype != torch.bfloat16 or weight.numel() > cpu_bf16_rows.MOST_WEIGHTS):
             return None
         rows, _, k = x.shape
         n = self.out_features // groups
