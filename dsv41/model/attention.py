@@ -733,9 +733,8 @@ class Attention(nn.Module):
         scores = dispatch.index_scores(query[0][0], query[1][0], keys, rows)
         if partial:
             scores = scores.masked_fill(ids < 0, -torch.inf)
+        self._count_scored_rows(scores, ids, parts)
         for i, part in enumerate(parts):
-            if part.scored is not None:
-                self._count_scored(scores[i : i + 1], part)
             if spec.candidate_source:
                 part.candidates = candidate_entries(scores[i : i + 1, : int(totals[i])].unsqueeze(1), int(totals[i]),
                                                     self.candidate_blocks, self.candidate_size)
@@ -900,6 +899,18 @@ class Attention(nn.Module):
                 # -inf), and which tied entry it keeps depends on that row
                 picked[i] = official_pick(scores[i], ids[i], total, k)
         return F.pad(picked, (0, self.indexer.topk - k), value=-1).unsqueeze(1).int()
+
+    def _count_scored_rows(self, scores: torch.Tensor, ids: torch.Tensor, parts: list[SharedAttention]) -> None:
+        """`_count_scored` of a decode batch's rows (scores and ids [B, n], -inf and -1 where unused)
+        in one reduction: each sequence's visible entries (its finite scores) or, for Reindex
+        layers, its pool's (its ids in use; a decode step's pool is its one row of candidates)."""
+        counted = [i for i, part in enumerate(parts) if part.scored is not None]
+        if not counted:
+            return
+        counts = ((ids >= 0) if self.spec.candidate_consumer else torch.isfinite(scores)).sum(-1).tolist()
+        key = _scored_kind(self.spec)
+        for i in counted:
+            parts[i].scored[key] = parts[i].scored.get(key, 0) + counts[i]
 
     def _count_scored(self, scores: torch.Tensor, shared: SharedAttention) -> None:
         """Entries scored: every visible one for Full layers, the pool's for Reindex layers."""
