@@ -49,6 +49,29 @@ def test_the_loop_sums_each_block_by_fused_multiply_adds_in_order(rng):
         assert torch.equal(got.view(torch.int32), _fma_twin(a, a_scale, w, w_scale).view(torch.int32)), (m, n, nk)
 
 
+def test_the_loop_keeps_the_order_within_a_block_on_order_revealing_values(rng):
+    """Random FP8 products of one block mostly sum exactly in any order; these do not. Each row is
+    ±448 at even places and ±2^-9 at odd ones, each column 448 and -448 at two even places and 2^-9
+    at an odd one of a block: products about ±2^17.6 and ±2^-18, so the small one survives only if
+    it is not added to a sum holding one large one. Rows 0-8 take both the four-row and the
+    one-row paths; any other order of a block's multiply-adds loses or keeps other small ones."""
+    m, n, nk = 9, 96, 2
+    places = torch.arange(nk * 32)
+    signs = torch.randint(0, 2, (m, nk * 32), generator=rng).float() * 2 - 1
+    a = (torch.where(places % 2 == 0, 448.0, 2.0**-9) * signs).to(torch.float8_e4m3fn).float()
+    w = torch.zeros(n, nk * 32)
+    for j in range(n):
+        block = int(torch.randint(0, nk, (), generator=rng)) * 32
+        even = block + 2 * torch.randperm(16, generator=rng)[:2]
+        odd = block + 1 + 2 * torch.randint(0, 16, (), generator=rng)
+        w[j, even], w[j, odd] = torch.tensor([448.0, -448.0]), 2.0**-9
+    w = w.to(torch.float8_e4m3fn).float()
+    ones_a, ones_w = torch.ones(m, nk), torch.ones(n, nk)
+    want = _fma_twin(a, ones_a, w, ones_w)
+    assert (want != 0).any() and (want == 0).any()  # the values reveal the order: some kept, some lost
+    assert torch.equal(_loop(a, ones_a, w, ones_w).view(torch.int32), want.view(torch.int32))
+
+
 def test_runs_of_rows_take_each_runs_weight_in_place(rng):
     """Run e by weight e of the stacked layout; empty runs (experts no token chose) at the start, in
     the middle and at the end are skipped."""
