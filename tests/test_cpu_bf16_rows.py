@@ -122,8 +122,8 @@ def test_rows_and_weights_outside_the_exact_range_and_other_modes_go_to_the_gemm
 
 def test_a_bf16_linear_of_one_token_each_takes_the_loop_with_each_tokens_bits(rng, monkeypatch):
     """`Linear.forward` of a bf16 weight (N = 64, as the ratio-1 compressor's): one token alone, and
-    one token of each of five sequences (`rows` all 1), each with the bits of its own GEMM; a
-    sequence of two tokens keeps the GEMM."""
+    one token of each of five sequences (`rows` all 1, in a contiguous and a strided tensor), each
+    with the bits of its own GEMM; a sequence of two tokens keeps the GEMM."""
     linear = Linear(192, 64, Storage.BF16)
     served = []
     real = Linear.one_row_products
@@ -135,7 +135,10 @@ def test_a_bf16_linear_of_one_token_each_takes_the_loop_with_each_tokens_bits(rn
         alone = torch.cat([numerics.linear(x[:, i : i + 1], linear.weight) for i in range(5)], dim=1)
         assert torch.equal(linear(x, rows=[1] * 5).view(torch.int16), alone.view(torch.int16))
         assert torch.equal(linear(x[:, 2:3]).view(torch.int16), alone[:, 2:3].view(torch.int16))
+        strided = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same tokens, not contiguous
+        assert not strided.is_contiguous()
+        assert torch.equal(linear(strided, rows=[1] * 5).view(torch.int16), alone.view(torch.int16))
         found = cpu_bf16_rows.find_order("linear", 1, 192, 64, torch.get_num_threads()) is not None
-        assert [y is not None for y in served] == [found, found]
+        assert [y is not None for y in served] == [found, found, found]
         linear(x, rows=[2, 3])
-        assert len(served) == 2
+        assert len(served) == 3

@@ -10,10 +10,10 @@ the order in which its K products are added. oneDNN adds them in a fixed pattern
 picked by shape, keeps. Measured with order-revealing values (2^20, -2^20 and 2^-10 among zeros,
 whose sum is 2^-10 or 0 by the order they are added in), the AMX kernel of a [g, 1, K] x [g, K, N]
 bmm with N >= 64 sums each block of 32 products in two interleaved accumulators (the even and odd
-places, each from +0), adds the two, and adds each block's sum to the row's total from +0; at
-N = 4 another kernel makes one pass over K in four interleaved accumulators. `products` computes
-that family (`lanes` accumulators over blocks of `block` products); `find_order` tells which
-member, if any, this machine's kernel is at a shape.
+places, each from +0), adds the two, and adds each block's sum to the row's total from +0. The
+kernels it picks at N = 4 and N = 32 sum in other orders, outside this family. `products`
+computes the family (`lanes` accumulators over blocks of `block` products); `find_order` tells
+which member, if any, this machine's kernel is at a shape.
 
 Exactness. Where every nonzero |value| of a row and of the weight lies in [2^-56, 2^56), each
 product and partial sum is a normal float32 (a multiple of 2^-126 below 2^124), so the flush of
