@@ -13,16 +13,17 @@ from dsv41.model.layers import Linear, Storage
 from dsv41.model.numerics import stable_numerics
 
 
-def _twin(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int) -> torch.Tensor:
+def _twin(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int, odd_first: bool) -> torch.Tensor:
     """The documented order in float64 arithmetic rounded to float32 after every addition (a product
     of two bf16 values is exact in both): x [R, g, K], w [g, N, K] -> [R, g, N] bf16."""
     k = x.size(-1)
+    place_order = [c ^ 1 if odd_first else c for c in range(k)]
     block = block or k
     products = x.double().unsqueeze(-2) * w.double()  # [R, g, N, K]
     total = torch.zeros(products.shape[:-1], dtype=torch.float32)
     for first in range(0, k, block):
         accs = [torch.zeros_like(total) for _ in range(lanes)]
-        for c in range(first, min(k, first + block)):
+        for c in place_order[first : first + block]:
             accs[c % lanes] = (accs[c % lanes].double() + products[..., c]).float()
         part = accs[0]
         for acc in accs[1:]:
@@ -31,10 +32,10 @@ def _twin(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int) -> torch.Ten
     return total.bfloat16()
 
 
-def _loop(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int) -> torch.Tensor | None:
+def _loop(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int, odd_first: bool = False) -> torch.Tensor | None:
     out = torch.empty(x.size(0), w.size(0), w.size(1), dtype=torch.bfloat16)
     done = cpu_bf16_rows.products(x.contiguous().view(torch.int16).numpy(), cpu_bf16_rows.layout(w).numpy(), lanes,
-                                  block, out.view(torch.int16).numpy())
+                                  block, odd_first, cpu_bf16_rows.row_floor(w), out.view(torch.int16).numpy())
     return out if done else None
 
 
@@ -44,22 +45,33 @@ def _spread_rows(rng: torch.Generator, *shape: int) -> torch.Tensor:
     return (torch.randn(*shape, generator=rng) * spread).bfloat16()
 
 
-@pytest.mark.parametrize(("lanes", "block"), [(2, 32), (4, 0), (1, 0), (8, 64)])
-def test_the_loop_adds_in_the_documented_order(rng, lanes, block):
-    """On any machine: every candidate order, rows of two groups, K a few blocks long."""
-    x, w = _spread_rows(rng, 5, 2, 128), _spread_rows(rng, 2, 24, 128)
-    assert torch.equal(_loop(x, w, lanes, block).view(torch.int16), _twin(x, w, lanes, block).view(torch.int16))
+@pytest.mark.parametrize(("lanes", "block", "odd_first", "k"),
+                         [(2, 32, False, 128), (4, 0, False, 128), (1, 0, False, 128), (8, 64, False, 128),
+                          (1, 0, True, 128), (1, 512, True, 1024), (1, 0, False, 127), (1, 0, True, 130)])
+def test_the_loop_adds_in_the_documented_order(rng, lanes, block, odd_first, k):
+    """On any machine: candidate orders, rows of two groups, K one or a few blocks long (K not a
+    multiple of four: the one-accumulator loop's last places one at a time)."""
+    x, w = _spread_rows(rng, 5, 2, k), _spread_rows(rng, 2, 24, k)
+    assert torch.equal(_loop(x, w, lanes, block, odd_first).view(torch.int16),
+                       _twin(x, w, lanes, block, odd_first).view(torch.int16))
 
 
 def test_the_orders_differ_on_order_revealing_values():
     """2^20, -2^20 and 2^-10 in one column: the sum is 2^-10 only where the small value is not added
     to a sum holding just one of the large ones. One pass adds it between them; two lanes put it in
-    the odd lane, apart from both: the orders disagree (what the probe relies on)."""
+    the odd lane, apart from both; pairs added odd place first move it after both: the orders
+    disagree (what the probe relies on)."""
     w = torch.zeros(1, 1, 64)
     w[0, 0, [0, 2, 1]] = torch.tensor([2.0**20, -(2.0**20), 2.0**-10])  # the small one between them
     x = torch.ones(1, 1, 64).bfloat16()
     one_pass, by_blocks = _loop(x, w.bfloat16(), 1, 0), _loop(x, w.bfloat16(), 2, 32)
     assert float(one_pass) == 0.0 and float(by_blocks) == 2.0**-10
+    # 2^20 at place 1, 2^-10 at 2, -2^20 at 3: in place order the small one comes between the large
+    # ones, odd places first (1, 0, 3, 2) after both
+    w = torch.zeros(1, 1, 64)
+    w[0, 0, [1, 3, 2]] = torch.tensor([2.0**20, -(2.0**20), 2.0**-10])
+    in_place, odd_first = _loop(x, w.bfloat16(), 1, 0), _loop(x, w.bfloat16(), 1, 0, odd_first=True)
+    assert float(in_place) == 0.0 and float(odd_first) == 2.0**-10
 
 
 @pytest.mark.parametrize(("groups", "k", "n"), [(2, 128, 64), (2, 1024, 128)])
@@ -96,8 +108,10 @@ def test_a_gemm_in_no_order_of_the_family_is_not_matched(monkeypatch):
 
 
 def test_rows_and_weights_outside_the_exact_range_and_other_modes_go_to_the_gemm(rng, monkeypatch):
-    """A row holding 2^-60, an infinity or a NaN; a weight holding 2^60 or more values than
-    `MOST_WEIGHTS`; stable numerics and autograd."""
+    """A row holding a value below the weight's row floor (a bf16 denormal among them), 2^60, an
+    infinity or a NaN; a weight holding 2^60 or more values than `MOST_WEIGHTS`; stable numerics and
+    autograd. A row value just at the floor (far below the weight's own range) keeps the loop and
+    the GEMM's bits."""
     groups, k, n = 2, 128, 64
     if cpu_bf16_rows.find_order("grouped", groups, k, n, torch.get_num_threads()) is None:
         pytest.skip("this machine's one-row bf16 GEMM sums in no order of the loop's family")
@@ -106,10 +120,17 @@ def test_rows_and_weights_outside_the_exact_range_and_other_modes_go_to_the_gemm
         linear.weight.copy_((torch.randn(groups * n, k, generator=rng) * 0.05).bfloat16())
         x = torch.randn(3, groups, k, generator=rng).bfloat16()
         assert linear.one_row_products(x, groups) is not None
-        for bad in (2.0**-60, float("inf"), float("nan")):
+        floor = cpu_bf16_rows.row_floor(linear.weight)
+        assert 2.0**-126 < floor < 2.0**-56  # the weight's smallest magnitude is above 2^-56
+        for bad in (floor / 2, 2.0**-130, 2.0**60, float("inf"), float("nan")):
             odd = x.clone()
             odd[1, 1, 5] = bad
             assert linear.one_row_products(odd, groups) is None, bad
+        tiny = x.clone()
+        tiny[1, 1, 5] = floor
+        w = linear.weight.view(groups, n, k)
+        alone = numerics.grouped_projection(tiny[1].view(1, 1, groups, k), w).view(groups, n)
+        assert torch.equal(linear.one_row_products(tiny, groups)[1].view(torch.int16), alone.view(torch.int16))
         with stable_numerics():
             assert linear.one_row_products(x, groups) is None
         monkeypatch.setattr(cpu_bf16_rows, "MOST_WEIGHTS", linear.weight.numel() - 1)

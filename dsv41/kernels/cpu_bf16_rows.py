@@ -11,14 +11,21 @@ picked by shape, keeps. Measured with order-revealing values (2^20, -2^20 and 2^
 whose sum is 2^-10 or 0 by the order they are added in), the AMX kernel of a [g, 1, K] x [g, K, N]
 bmm with N >= 64 sums each block of 32 products in two interleaved accumulators (the even and odd
 places, each from +0), adds the two, and adds each block's sum to the row's total from +0. The
-kernels it picks at N = 4 and N = 32 sum in other orders, outside this family. `products`
-computes the family (`lanes` accumulators over blocks of `block` products); `find_order` tells
-which member, if any, this machine's kernel is at a shape.
+kernels it picks at N = 4 and N = 32 sum in other orders, outside this family. Where the CPU
+has AVX-512 bf16 dot products but no AMX (a Zen 4 EPYC), the kernel adds the products one by one
+into one accumulator a column, each pair of places odd before even (the dot-product instruction's
+order), over blocks of 512 products, each block's sum added to the row's total from +0. `products`
+computes the family (`lanes` accumulators over blocks of `block` products, pairs in place order or
+odd first); `find_order` tells which member, if any, this machine's kernel is at a shape.
 
-Exactness. Where every nonzero |value| of a row and of the weight lies in [2^-56, 2^56), each
-product and partial sum is a normal float32 (a multiple of 2^-126 below 2^124), so the flush of
-denormals to zero that the AMX kernel applies never applies. `products` refuses rows outside that
-range and `weight_in_range` weights; the GEMM then computes them.
+Exactness. A bf16 value of at least 2^e is a multiple of 2^(e - 7), so where a row's smallest
+nonzero |value| is at least 2^a and the weight's at least 2^b, every product and partial sum is a
+multiple of 2^(a + b - 14): with a + b >= -112 a nonzero one is a normal float32, and the flush of
+denormals to zero that both kernels apply never applies. The weight's nonzero magnitudes must lie
+in [2^-56, 2^56) (`row_floor` refuses it otherwise) and the row's below 2^56, so no sum of up to
+2^15 products reaches float32's largest; the row's floor is 2^(-112 - b) for the weight's smallest
+b, and never below 2^-126 (a bf16 denormal input would be flushed). `products` refuses a row
+outside its range; the GEMM then computes it.
 """
 
 from __future__ import annotations
@@ -32,65 +39,100 @@ import torch
 from dsv41.kernels.cpu_loops import bf16_high_bits, bf16_values
 from dsv41.model import numerics
 
-SMALLEST, LARGEST = 2.0**-56, 2.0**56  # every nonzero magnitude within [SMALLEST, LARGEST)
+SMALLEST, LARGEST = 2.0**-56, 2.0**56  # every nonzero weight magnitude within [SMALLEST, LARGEST)
+SMALLEST_NORMAL = 2.0**-126
 # the largest weight (values) the loop takes: `mini`'s `wo_a` (2 x 128 x 1,024), whose GEMM costs about
 # what torch's call around it does; the official `wo_a` (8 x 1,024 x 4,096) is 128 times that, a
-# GEMM of about a millisecond whose fp32 copy would hold 134 MB a layer
+# GEMM of about a millisecond whose work outweighs the call
 MOST_WEIGHTS = 1 << 18
-# (lanes, block) pairs tried in turn; a block as long as K is one pass over it
-CANDIDATE_ORDERS = ((2, 32), (4, 0), (1, 0), (2, 0), (8, 0), (1, 32), (4, 32), (8, 32), (2, 64), (4, 64))
+# (lanes, block, odd_first) tried in turn; a block as long as K is one pass over it
+CANDIDATE_ORDERS = ((2, 32, False), (1, 512, True), (1, 0, True), (4, 0, False), (1, 0, False), (2, 0, False),
+                    (8, 0, False), (1, 32, False), (4, 32, False), (8, 32, False), (2, 64, False), (4, 64, False))
 
 
 @numba.njit(cache=True, nogil=True)
-def products(x: np.ndarray, w: np.ndarray, lanes: int, block: int, out: np.ndarray) -> bool:
-    """out[r, g] = the bf16 bits of x[r, g] @ w[g] for bf16 bits x int16 [R, G, K] and bf16 values
-    w float32 [G, K, N], out int16 [R, G, N]: per block of `block` products along K (0: all K),
-    product c added into accumulator c % lanes from +0, the accumulators added first to last, each
-    block's sum added to the total from +0, the total rounded to bf16 (ties to even). False
-    (out unfinished) where a row holds a value outside the exact range."""
+def products(x: np.ndarray, w: np.ndarray, lanes: int, block: int, odd_first: bool, floor: float,
+             out: np.ndarray) -> bool:
+    """out[r, g] = the bf16 bits of x[r, g] @ w[g] for bf16 bits x int16 [R, G, K] and w int16
+    [G, K, N], out int16 [R, G, N]: per block of `block` products along K (0: all K), product c
+    added into accumulator c % lanes from +0 (in place order, or with `odd_first` each pair 2i + 1
+    before 2i; K even), the accumulators added first to last, each block's sum added to the total
+    from +0, the total rounded to bf16 (ties to even). Each weight row is widened once for all R
+    rows (the weight is read once, as bf16). False (out unfinished) where a row holds a nonzero
+    magnitude outside [floor, LARGEST) (`row_floor` of the weight)."""
     rows, groups, k = x.shape
+    swap = 1 if odd_first else 0
     n = w.shape[2]
     block = k if block == 0 else block
-    values = np.empty(k, np.float32)
-    accs = np.empty((lanes, n), np.float32)
-    total = np.empty(n, np.float32)
-    words = total.view(np.uint32)
-    zero = np.float32(0.0)
+    values = np.empty((rows, groups, k), np.float32)
     for r in range(rows):
         for g in range(groups):
-            bf16_values(x[r, g], values)
+            bf16_values(x[r, g], values[r, g])
             for c in range(k):
-                magnitude = abs(values[c])
-                if magnitude != 0.0 and not (SMALLEST <= magnitude < LARGEST):  # a NaN fails both
+                magnitude = abs(values[r, g, c])
+                if magnitude != 0.0 and not (floor <= magnitude < LARGEST):  # a NaN fails both
                     return False
-            total[:] = zero
-            weight = w[g]
-            for first in range(0, k, block):
-                accs[:] = zero
-                for c in range(first, min(k, first + block)):
-                    value, acc, row = values[c], accs[c % lanes], weight[c]
-                    for j in range(n):
-                        acc[j] += value * row[j]
+    widened = np.empty((4, n), np.float32)
+    widened_words = widened.view(np.uint32)
+    accs = np.empty((rows, lanes, n), np.float32)
+    totals = np.empty((rows, n), np.float32)
+    words = totals.view(np.uint32)
+    zero = np.float32(0.0)
+    for g in range(groups):
+        totals[:] = zero
+        for first in range(0, k, block):
+            accs[:] = zero
+            last = min(k, first + block)
+            rest = first  # the first place the one-at-a-time loop below takes
+            if lanes == 1:  # four places a pass, their products added one after another
+                for place in range(first, last - 3, 4):
+                    for i in range(4):
+                        for j in range(n):  # indexed, not sliced: a view costs as much as a row's sums
+                            widened_words[i, j] = np.uint32(np.uint16(w[g, (place + i) ^ swap, j])) << np.uint32(16)
+                    for r in range(rows):
+                        v0, v1 = values[r, g, place ^ swap], values[r, g, (place + 1) ^ swap]
+                        v2, v3 = values[r, g, (place + 2) ^ swap], values[r, g, (place + 3) ^ swap]
+                        for j in range(n):
+                            accs[r, 0, j] = ((((accs[r, 0, j] + v0 * widened[0, j]) + v1 * widened[1, j])
+                                              + v2 * widened[2, j]) + v3 * widened[3, j])
+                    rest = place + 4
+            for place in range(rest, last):
+                c = place ^ swap
+                lane = c % lanes
                 for j in range(n):
-                    part = accs[0, j]
+                    widened_words[0, j] = np.uint32(np.uint16(w[g, c, j])) << np.uint32(16)
+                for r in range(rows):
+                    value = values[r, g, c]
+                    for j in range(n):
+                        accs[r, lane, j] += value * widened[0, j]
+            for r in range(rows):
+                for j in range(n):
+                    part = accs[r, 0, j]
                     for lane in range(1, lanes):
-                        part += accs[lane, j]
-                    total[j] += part
+                        part += accs[r, lane, j]
+                    totals[r, j] += part
+        for r in range(rows):
             for j in range(n):
-                out[r, g, j] = np.int16(bf16_high_bits(words[j]))
+                out[r, g, j] = np.int16(bf16_high_bits(words[r, j]))
     return True
 
 
-def weight_in_range(w: torch.Tensor) -> bool:
-    """Whether every nonzero |value| of weight w lies in the range `products` computes exactly."""
+def row_floor(w: torch.Tensor) -> float | None:
+    """The smallest nonzero row magnitude `products` takes exactly with weight w: 2^(-112 - b) for its
+    smallest nonzero magnitude in [2^b, 2^(b + 1)), at least 2^-126; None where a nonzero |value| of
+    w lies outside [SMALLEST, LARGEST) or w is not finite."""
     magnitude = w.float().abs()
     nonzero = magnitude[magnitude != 0]
-    return bool(torch.isfinite(magnitude).all()) and bool(((nonzero >= SMALLEST) & (nonzero < LARGEST)).all())
+    if not (bool(torch.isfinite(magnitude).all()) and bool(((nonzero >= SMALLEST) & (nonzero < LARGEST)).all())):
+        return None
+    if nonzero.numel() == 0:
+        return SMALLEST_NORMAL
+    return max(SMALLEST_NORMAL, 2.0 ** (-112 - int(torch.floor(torch.log2(nonzero.min())))))
 
 
 @functools.cache
-def find_order(path: str, groups: int, k: int, n: int, threads: int) -> tuple[int, int] | None:
-    """The (lanes, block) of `CANDIDATE_ORDERS` whose sums equal this machine's one-row bf16 GEMM
+def find_order(path: str, groups: int, k: int, n: int, threads: int) -> tuple[int, int, bool] | None:
+    """The (lanes, block, odd_first) of `CANDIDATE_ORDERS` whose sums equal this machine's one-row bf16 GEMM
     [groups, 1, k] x [groups, k, n] (`path` "grouped": `numerics.grouped_projection` of one token;
     "linear", one group: `numerics.linear` of one token [1, 1, k]) on order-revealing rows (2^20,
     -2^20 and 2^-10 at random places of each column, half of them within one block of 32), random
@@ -118,11 +160,12 @@ def find_order(path: str, groups: int, k: int, n: int, threads: int) -> tuple[in
     rows.append(torch.zeros(groups, k).bfloat16())
     with torch.inference_mode():
         wanted = [_gemm(path, x, w) for x, w in zip(rows, weights, strict=True)]
-        for lanes, block in CANDIDATE_ORDERS:
-            if k < block or (block and k % block):
+        for lanes, block, odd_first in CANDIDATE_ORDERS:
+            if k < block or (block and k % block) or (odd_first and k % 2):
                 continue
-            if all(_loop_equals(x, w, lanes, block, want) for x, w, want in zip(rows, weights, wanted, strict=True)):
-                return lanes, block
+            order = (lanes, block, odd_first)
+            if all(_loop_equals(x, w, order, want) for x, w, want in zip(rows, weights, wanted, strict=True)):
+                return lanes, block, odd_first
     return None
 
 
@@ -137,12 +180,12 @@ def _gemm(path: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def layout(w: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [g, N, K] as `products` reads it: float32 [g, K, N]."""
-    return w.float().transpose(1, 2).contiguous()
+    """A bf16 weight [g, N, K] as `products` reads it: its bits, int16 [g, K, N]."""
+    return w.transpose(1, 2).contiguous().view(torch.int16)
 
 
-def _loop_equals(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int, want: torch.Tensor) -> bool:
+def _loop_equals(x: torch.Tensor, w: torch.Tensor, order: tuple[int, int, bool], want: torch.Tensor) -> bool:
     """Whether `products` of one row x [g, K] by w [g, N, K] in the given order gives want [g, N]."""
     out = torch.empty(1, w.size(0), w.size(1), dtype=torch.bfloat16)
-    return products(x.contiguous().view(torch.int16).unsqueeze(0).numpy(), layout(w).numpy(), lanes, block,
-                    out.view(torch.int16).numpy()) and torch.equal(out[0], want)
+    return products(x.contiguous().view(torch.int16).unsqueeze(0).numpy(), layout(w).numpy(), *order,
+                    row_floor(w), out.view(torch.int16).numpy()) and torch.equal(out[0], want)

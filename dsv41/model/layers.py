@@ -62,7 +62,7 @@ class Linear(nn.Module):
         self._dequant: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
         self._scaled: tuple[torch.Tensor, torch.Tensor] | None = None
         self._loop: tuple[torch.Tensor, LoopLayout] | None = None
-        self._rows_layout: tuple[tuple, torch.Tensor | None] | None = None
+        self._rows_layout: tuple[tuple, tuple[torch.Tensor, float] | None] | None = None
 
     def version(self) -> tuple[int, int, int]:
         """Changes whenever the weight or its scale does: the key of caches derived from them. Read
@@ -107,8 +107,8 @@ class Linear(nn.Module):
         `numerics.grouped_projection` of it alone, or, one group, `numerics.linear` of it alone),
         all in one compiled loop (`cpu_bf16_rows`; torch pays about 35 µs around each such GEMM).
         None where the loop does not serve: stable numerics, autograd, a weight of more than
-        `cpu_bf16_rows.MOST_WEIGHTS` values (the GEMM's own work then outweighs the call, and the
-        loop's fp32 copy would be large), a shape whose order `cpu_bf16_rows.find_order` did not
+        `cpu_bf16_rows.MOST_WEIGHTS` values (the GEMM's own work then outweighs the call), a shape
+        whose order `cpu_bf16_rows.find_order` did not
         find on this machine, a weight or a row outside the loop's exact range."""
         weight = self._parameters["weight"]
         if (numerics.is_stable() or torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.bfloat16
@@ -122,12 +122,13 @@ class Linear(nn.Module):
         key = (weight.data_ptr(), weight._version, groups)
         if self._rows_layout is None or self._rows_layout[0] != key:
             w = weight.view(groups, n, k)
-            self._rows_layout = (key, cpu_bf16_rows.layout(w) if cpu_bf16_rows.weight_in_range(w) else None)
-        layout = self._rows_layout[1]
-        if layout is None:
+            floor = cpu_bf16_rows.row_floor(w)
+            self._rows_layout = (key, None if floor is None else (cpu_bf16_rows.layout(w), floor))
+        if self._rows_layout[1] is None:
             return None
+        layout, floor = self._rows_layout[1]
         out = torch.empty(rows, groups, n, dtype=torch.bfloat16)
-        if not cpu_bf16_rows.products(x.contiguous().view(torch.int16).numpy(), layout.numpy(), *order,
+        if not cpu_bf16_rows.products(x.contiguous().view(torch.int16).numpy(), layout.numpy(), *order, floor,
                                       out.view(torch.int16).numpy()):
             return None
         return out
