@@ -121,6 +121,31 @@ def test_forward_groups_short_steps_only_and_rebuilds_stacks_after_a_weight_chan
         assert torch.equal(_both(moe, x)[1], before) and torch.equal(moe(x[None]), by_loops)
 
 
+def test_an_expert_changed_while_unused_is_restacked_when_a_step_routes_to_it(moes, rng, monkeypatch):
+    """The stacks check only the experts a step uses: an expert whose weight changes while steps
+    route around it keeps its old slice until a step routes a token to it, and that step (the
+    loops, one token) computes with the new weight, as the operators do."""
+    moe = moes[0]
+    with torch.inference_mode():
+        tokens = (torch.randn(64, moe.dim, generator=rng) * 2).bfloat16()
+        routes = moe.gate(tokens)[1]
+        first = tokens[:1]
+        unused = next(e for e in range(len(moe.experts)) if e not in routes[0].tolist() and (routes == e).any())
+        later = tokens[int((routes == unused).any(dim=1).nonzero()[0])].view(1, 1, -1)
+        before_first, before_later = moe(first[None]), moe(later)
+        w2 = moe.experts[unused].w2
+        saved = w2.weight.clone()
+        try:
+            w2.weight.copy_(torch.roll(saved, 1, dims=0))
+            assert torch.equal(moe(first[None]), before_first)  # not routed: nothing to recompute
+            changed = moe(later)
+            assert not torch.equal(changed, before_later)
+            assert torch.equal(changed, _with_operators(moe, later, monkeypatch))
+        finally:
+            w2.weight.copy_(saved)
+        assert torch.equal(moe(later), before_later)
+
+
 def test_gate_scores_by_sequence_equal_each_sequence_alone(rng):
     """With `sizes`, each sequence of a multi-token batch gets the router weights and experts it
     gets alone, bit for bit; odd sizes put a sequence's last scores in the tail that torch's scalar

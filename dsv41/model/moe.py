@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -111,7 +113,7 @@ class MoE(nn.Module):
         self.gate = Gate(dim, n_experts, topk, route_scale, scoring, with_vision_bias, device)
         self.experts = nn.ModuleList(Expert(dim, inter, Storage.FP4, limit, device) for _ in range(n_experts))
         self.shared_experts = Expert(dim, inter, Storage.FP8, limit, device)
-        self._stacks: dict[tuple[str, ...], tuple[tuple, LoopLayout]] = {}
+        self._stacks: dict[tuple[str, ...], tuple[list[tuple], LoopLayout]] = {}  # each expert's key, the stack
         self._linears: dict[tuple[str, ...], list[list[Linear]]] = {}
         self._uniform_experts: bool | None = None  # every expert quantized, of one width and clamp
 
@@ -152,7 +154,8 @@ class MoE(nn.Module):
         scale = np.ones((n, k + 1), dtype=np.float32)  # the shared expert's product is left as it is
         scale[:, :k] = np.take_along_axis(weights.numpy(), order, 1)
         tokens = np.repeat(np.arange(n), k + 1)
-        up_layout, down_layout = self._stacked_loop(("w1", "w3")), self._stacked_loop(("w2",))
+        used = np.unique(chosen).tolist()
+        up_layout, down_layout = self._stacked_loop(("w1", "w3"), used), self._stacked_loop(("w2",), used)
         shared_up, shared_down = shared.gate_up.joined_loop_layout(), shared.w2.loop_layout()
         gate = torch.empty(n * (k + 1), shared.w1.out_features, dtype=torch.float32)
         up = torch.empty_like(gate)
@@ -227,7 +230,8 @@ class MoE(nn.Module):
         linears = self._projections(names)
         if all(loop_serves(q[0][:longest], linear.out_features) for linear in linears[0]) and not numerics.opt_in(
                 "DSV41_FAST_GEMM", "one GEMM per quantized linear"):
-            return runs_block_scaled_rows(*q, self._stacked_loop(names), ends).to(torch.bfloat16)
+            used = torch.diff(ends, prepend=ends.new_zeros(1)).nonzero().flatten().tolist()
+            return runs_block_scaled_rows(*q, self._stacked_loop(names, used), ends).to(torch.bfloat16)
         bounds = [0, *ends.tolist()]
         return torch.cat([torch.cat([linear(q[0][a:b], (q[0][a:b], q[1][a:b])) for linear in mine], -1)
                           for mine, a, b in zip(linears, bounds, bounds[1:], strict=False) if b > a])
@@ -240,15 +244,30 @@ class MoE(nn.Module):
             linears = self._linears[names] = [[getattr(expert, name) for name in names] for expert in self.experts]
         return linears
 
-    def _stacked_loop(self, names: tuple[str, ...]) -> LoopLayout:
+    def _stacked_loop(self, names: tuple[str, ...], used: Iterable[int]) -> LoopLayout:
         """Every routed expert's projections `names`, side by side, stacked in the compiled loop's
-        layout (`quant.loop_layout`), cached until a weight changes."""
+        layout (`quant.loop_layout`). The experts `used` by the caller are checked against their
+        weights' versions and restacked where one changed; the others are not read, so they are
+        checked when they are (a step routes a few of the experts: the official 256 would cost 768
+        version checks a layer, `small`'s 8 were 3 % of its decode step)."""
         linears = self._projections(names)
-        key = tuple(linear.version() for mine in linears for linear in mine)
         cached = self._stacks.get(names)
-        if cached is None or cached[0] != key:
-            parts = [[linear.dequantized() for linear in mine] for mine in linears]
-            values = torch.stack([torch.cat([v for v, _ in mine]) for mine in parts])
-            scales = torch.stack([torch.cat([s for _, s in mine]) for mine in parts])
-            cached = self._stacks[names] = (key, loop_layout(values, scales))
-        return cached[1]
+        if cached is None:
+            keys = [tuple(linear.version() for linear in mine) for mine in linears]
+            values, scales = zip(*(self._joined_expert(mine) for mine in linears), strict=True)
+            cached = self._stacks[names] = (keys, loop_layout(torch.stack(values), torch.stack(scales)))
+            return cached[1]
+        keys, layout = cached
+        for e in used:
+            key = tuple(linear.version() for linear in linears[e])
+            if key != keys[e]:
+                for stacked, part in zip(layout, loop_layout(*self._joined_expert(linears[e])), strict=True):
+                    stacked[e] = part
+                keys[e] = key
+        return layout
+
+    @staticmethod
+    def _joined_expert(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's projections' weight values and scales, side by side."""
+        parts = [linear.dequantized() for linear in linears]
+        return torch.cat([v for v, _ in parts]), torch.cat([s for _, s in parts])
