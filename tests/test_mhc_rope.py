@@ -86,6 +86,32 @@ def test_rope_tables_match_official_goldens():
     assert torch.equal(rope.rotate(rotated, table[7:12], inverse=True), u["rope.apply_then_inverse"])
 
 
+def test_rotation_of_bf16_rows_by_the_loop_gives_the_operators_bits(rng, monkeypatch):
+    """`rope.rotate` of bf16 rows through the compiled loop against the operators it stands in for:
+    rows of one position per token and of several heads, two sequences, forward and inverse, values
+    spread over many magnitudes; a NaN and more than LOOP_ROWS rows go to the operators; the loop
+    served the others."""
+    table = rope.rotation_table(16, 40, 10000.0, None)[5:12]
+    served = []
+    loop = rope._rotate_by_loop
+    monkeypatch.setattr(rope, "_rotate_by_loop", lambda *a: served.append(loop(*a)) or served[-1])
+    for shape in ((2, 7, 48), (2, 7, 4, 48), (1, 7, 1, 16)):
+        spread = torch.exp2(torch.randint(-20, 21, shape, generator=rng).float())
+        x = (torch.randn(*shape, generator=rng) * spread).bfloat16()
+        for inverse in (False, True):
+            got = rope.rotate(x, table, inverse)
+            with monkeypatch.context() as patch:
+                patch.setattr(rope, "_rotate_by_loop", lambda *_: None)
+                want = rope.rotate(x, table, inverse)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (shape, inverse)
+    expected_by_loop = rope.rotation_keeps_bits(8)
+    assert [y is not None for y in served] == [expected_by_loop] * 6
+    x[0, 3, 0, 9] = float("nan")
+    assert rope._rotate_by_loop(x, table, False) is None
+    many = torch.randn(1, 7, rope.LOOP_ROWS // 7 + 1, 16, generator=rng).bfloat16()  # past LOOP_ROWS rows
+    assert rope._rotate_by_loop(many, table, False) is None
+
+
 def test_yarn_band_for_the_release_is_15_to_25():
     assert rope.yarn_band(64, 160000, 65536, 32, 1) == (15, 25)
 

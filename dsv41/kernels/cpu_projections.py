@@ -50,6 +50,32 @@ def rotate_rows(x: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
+def rotate_bf16_rows(x: np.ndarray, table: np.ndarray, repeat: int, conjugate: bool, out: np.ndarray) -> bool:
+    """`rope.rotate` of bf16 rows x [R, n] (int16 bits) into out [R, n] (bits): row r's last
+    2 x pairs channels times table row (r // repeat) % S of table [S, pairs] (complex64;
+    `conjugate`: its conjugate, as torch multiplies by a resolved conjugate), by `rotate_pairs`,
+    rounded to bf16; the other channels as they are. False (out unfinished) at a NaN, whose bf16
+    bits torch writes two ways."""
+    rows, n = x.shape
+    pairs = table.shape[1]
+    first = n - 2 * pairs
+    values = np.empty(2 * pairs, np.float32)
+    turn = np.empty((pairs, 2), np.float32)
+    sign = np.float32(-1.0) if conjugate else np.float32(1.0)
+    for r in range(rows):
+        row = table[(r // repeat) % table.shape[0]]
+        for i in range(pairs):
+            turn[i, 0] = row[i].real
+            turn[i, 1] = sign * row[i].imag
+        bf16_values(x[r, first:], values)
+        rotate_pairs(values, 0, turn)
+        if not bf16_bits(values, out[r, first:]):
+            return False
+        out[r, :first] = x[r, :first]
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
 def attention_inputs(x: np.ndarray, wa_t: np.ndarray, wa_scale_t: np.ndarray, q_weight: np.ndarray,
                      kv_weight: np.ndarray, eps: float, q_width: int, kv_width: int, wb_t: np.ndarray,
                      wb_scale_t: np.ndarray, table: np.ndarray, heads: int, qr_out: np.ndarray, q_out: np.ndarray,
