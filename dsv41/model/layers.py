@@ -108,8 +108,8 @@ class Linear(nn.Module):
         all in one compiled loop (`cpu_bf16_rows`; torch pays about 35 µs around each such GEMM).
         None where the loop does not serve: stable numerics, autograd, a weight of more than
         `cpu_bf16_rows.MOST_WEIGHTS` values (the GEMM's own work then outweighs the call), a shape
-        whose order `cpu_bf16_rows.find_order` did not
-        find on this machine, a weight or a row outside the loop's exact range."""
+        whose order `cpu_bf16_rows.find_order` did not find on this machine, a weight or a row
+        outside the loop's exact range (`cpu_bf16_rows.row_floor`)."""
         weight = self._parameters["weight"]
         if (numerics.is_stable() or torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.bfloat16
                 or weight.dtype != torch.bfloat16 or weight.numel() > cpu_bf16_rows.MOST_WEIGHTS):
