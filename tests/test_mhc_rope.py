@@ -110,6 +110,12 @@ def test_rotation_of_bf16_rows_by_the_loop_gives_the_operators_bits(rng, monkeyp
     assert rope._rotate_by_loop(x, table, False) is None
     many = torch.randn(1, 7, rope.LOOP_ROWS // 7 + 1, 16, generator=rng).bfloat16()  # past LOOP_ROWS rows
     assert rope._rotate_by_loop(many, table, False) is None
+    # a table per sequence ([b, s, pairs], as the drafter's blocks have) is the operators' too, even
+    # where b equals s
+    blocks = rope.rotation_table(16, 40, 10000.0, None)[:9].view(3, 3, 8)
+    x = torch.randn(3, 3, 48, generator=rng).bfloat16()
+    assert rope._rotate_by_loop(x, blocks, False) is None
+    assert torch.equal(rope.rotate(x, blocks)[1], rope.rotate(x[1:2], blocks[1])[0])
 
 
 def test_yarn_band_for_the_release_is_15_to_25():

@@ -84,7 +84,7 @@ def _rotate_by_loop(x: torch.Tensor, table: torch.Tensor, inverse: bool) -> torc
     attention layer's output back this way). None where it does not serve: stable numerics,
     autograd, another dtype or device, more than LOOP_ROWS rows, a machine where
     `rotation_keeps_bits` fails, a NaN."""
-    if (x.dtype != torch.bfloat16 or table.dtype != torch.complex64 or x.ndim not in (3, 4)
+    if (x.dtype != torch.bfloat16 or table.dtype != torch.complex64 or x.ndim not in (3, 4) or table.dim() != 2
             or table.size(0) != x.size(1) or x.numel() > LOOP_ROWS * x.size(-1)
             or numerics.is_stable() or not cpu_loops.serves(x, table)
             or not rotation_keeps_bits(table.size(-1))):
