@@ -13,29 +13,46 @@ from dsv41.model.layers import Linear, Storage
 from dsv41.model.numerics import stable_numerics
 
 
-def _twin(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int, odd_first: bool) -> torch.Tensor:
+def _twin(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int, odd_first: bool, paired: bool = False,
+          tree: tuple[int, ...] = ()) -> torch.Tensor:
     """The documented order in float64 arithmetic rounded to float32 after every addition (a product
     of two bf16 values is exact in both): x [R, g, K], w [g, N, K] -> [R, g, N] bf16."""
     k = x.size(-1)
     place_order = [c ^ 1 if odd_first else c for c in range(k)]
     block = block or k
+    spread = 2 if paired else 1
     products = x.double().unsqueeze(-2) * w.double()  # [R, g, N, K]
     total = torch.zeros(products.shape[:-1], dtype=torch.float32)
+
+    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a.double() + b.double()).float()
+
     for first in range(0, k, block):
         accs = [torch.zeros_like(total) for _ in range(lanes)]
         for c in place_order[first : first + block]:
-            accs[c % lanes] = (accs[c % lanes].double() + products[..., c]).float()
-        part = accs[0]
-        for acc in accs[1:]:
-            part = (part.double() + acc.double()).float()
-        total = (total.double() + part.double()).float()
+            lane = (c // spread) % lanes
+            accs[lane] = add(accs[lane], products[..., c])
+        if tree:
+            alive = list(range(lanes))
+            for stride in tree:  # each lane still in without this stride's bit takes its partner
+                for lane in [lane for lane in alive if not lane & stride]:
+                    accs[lane] = add(accs[lane], accs[lane + stride])
+                alive = [lane for lane in alive if not lane & stride]
+            part = accs[0]
+        else:
+            part = accs[0]
+            for acc in accs[1:]:
+                part = add(part, acc)
+        total = add(total, part)
     return total.bfloat16()
 
 
-def _loop(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int, odd_first: bool = False) -> torch.Tensor | None:
+def _loop(x: torch.Tensor, w: torch.Tensor, lanes: int, block: int, odd_first: bool = False, paired: bool = False,
+          tree: tuple[int, ...] = ()) -> torch.Tensor | None:
     out = torch.empty(x.size(0), w.size(0), w.size(1), dtype=torch.bfloat16)
-    done = cpu_bf16_rows.products(x.contiguous().view(torch.int16).numpy(), cpu_bf16_rows.layout(w).numpy(), lanes,
-                                  block, odd_first, cpu_bf16_rows.row_floor(w), out.view(torch.int16).numpy())
+    done = cpu_bf16_rows.run(x.contiguous().view(torch.int16).numpy(), cpu_bf16_rows.layout(w).numpy(),
+                             (lanes, block, odd_first, paired, tree), cpu_bf16_rows.row_floor(w),
+                             out.view(torch.int16).numpy())
     return out if done else None
 
 
@@ -45,15 +62,30 @@ def _spread_rows(rng: torch.Generator, *shape: int) -> torch.Tensor:
     return (torch.randn(*shape, generator=rng) * spread).bfloat16()
 
 
-@pytest.mark.parametrize(("lanes", "block", "odd_first", "k"),
-                         [(2, 32, False, 128), (4, 0, False, 128), (1, 0, False, 128), (8, 64, False, 128),
-                          (1, 0, True, 128), (1, 512, True, 1024), (1, 0, False, 127), (1, 0, True, 130)])
-def test_the_loop_adds_in_the_documented_order(rng, lanes, block, odd_first, k):
-    """On any machine: candidate orders, rows of two groups, K one or a few blocks long (K not a
-    multiple of four: the one-accumulator loop's last places one at a time)."""
+@pytest.mark.parametrize(("lanes", "block", "odd_first", "paired", "tree", "k"),
+                         [(2, 32, False, False, (), 128), (4, 0, False, False, (), 128), (1, 0, False, False, (), 128),
+                          (8, 64, False, False, (), 128), (1, 0, True, False, (), 128), (1, 512, True, False, (), 1024),
+                          (1, 0, False, False, (), 127), (1, 0, True, False, (), 130),
+                          (16, 0, True, True, (8, 1, 2, 4), 128), (16, 0, True, True, (8, 1, 2, 4), 130),
+                          (16, 64, True, True, (8, 1, 2, 4), 256), (64, 0, False, False, (32, 16, 8, 4, 2, 1), 200),
+                          (4, 0, False, True, (2, 1), 100)])
+def test_the_loop_adds_in_the_documented_order(rng, lanes, block, odd_first, paired, tree, k):
+    """On any machine: candidate orders and others of the family, rows of two groups, K one or a
+    few blocks long (K not a multiple of four: the one-accumulator loop's last places one at a
+    time; not a multiple of the lanes: the last pass fills some of them)."""
     x, w = _spread_rows(rng, 5, 2, k), _spread_rows(rng, 2, 24, k)
-    assert torch.equal(_loop(x, w, lanes, block, odd_first).view(torch.int16),
-                       _twin(x, w, lanes, block, odd_first).view(torch.int16))
+    assert torch.equal(_loop(x, w, lanes, block, odd_first, paired, tree).view(torch.int16),
+                       _twin(x, w, lanes, block, odd_first, paired, tree).view(torch.int16))
+    # order-revealing columns (2^20, -2^20 and 2^-10 at random places): most orders' bf16 results
+    # agree on spread values, not on these
+    revealing = torch.zeros(2, 24, k)
+    for g in range(2):
+        for j in range(24):
+            revealing[g, j, torch.randperm(k, generator=rng)[:3]] = torch.tensor([2.0**20, -(2.0**20), 2.0**-10])
+    ones = torch.ones(1, 2, k).bfloat16()
+    got = _loop(ones, revealing.bfloat16(), lanes, block, odd_first, paired, tree)
+    assert torch.equal(got, _twin(ones, revealing.bfloat16(), lanes, block, odd_first, paired, tree))
+    assert 0 < int((got != 0).sum()) < got.numel()  # (both outcomes occur: the columns do reveal)
 
 
 def test_the_orders_differ_on_order_revealing_values():
@@ -72,6 +104,12 @@ def test_the_orders_differ_on_order_revealing_values():
     w[0, 0, [1, 3, 2]] = torch.tensor([2.0**20, -(2.0**20), 2.0**-10])
     in_place, odd_first = _loop(x, w.bfloat16(), 1, 0), _loop(x, w.bfloat16(), 1, 0, odd_first=True)
     assert float(in_place) == 0.0 and float(odd_first) == 2.0**-10
+    # 16 lanes of pairs: 2^20 at place 0 (lane 0), -2^20 at 2 (lane 1), 2^-10 at 16 (lane 8). Added
+    # first to last the large ones cancel before lane 8 comes; by the tree lane 8 joins lane 0 first
+    w = torch.zeros(1, 1, 64)
+    w[0, 0, [0, 2, 16]] = torch.tensor([2.0**20, -(2.0**20), 2.0**-10])
+    in_turn, by_tree = (_loop(x, w.bfloat16(), 16, 0, True, True, tree) for tree in ((), (8, 1, 2, 4)))
+    assert float(in_turn) == 2.0**-10 and float(by_tree) == 0.0
 
 
 @pytest.mark.parametrize(("groups", "k", "n"), [(2, 128, 64), (2, 1024, 128)])

@@ -14,9 +14,13 @@ places, each from +0), adds the two, and adds each block's sum to the row's tota
 kernels it picks at N = 4 and N = 32 sum in other orders, outside this family. Where the CPU
 has AVX-512 bf16 dot products but no AMX (a Zen 4 EPYC), the kernel adds the products one by one
 into one accumulator a column, each pair of places odd before even (the dot-product instruction's
-order), over blocks of 512 products, each block's sum added to the row's total from +0. `products`
-computes the family (`lanes` accumulators over blocks of `block` products, pairs in place order or
-odd first); `find_order` tells which member, if any, this machine's kernel is at a shape.
+order), over blocks of 512 products, each block's sum added to the row's total from +0. Where the
+CPU has AVX-512 without bf16 (an Ice Lake-class Xeon), oneDNN's bmm emulates those dot products:
+16 vector lanes, lane i taking places 2i and 2i + 1 of every 32 (odd first), each from +0, then
+the lanes added as a tree (lane i + lane i + 8; then pairs i, i + 1; then i + 2; then i + 4).
+`products` computes the family (`lanes` accumulators over blocks of `block` products, a pair of
+places per accumulator or one, pairs in place order or odd first, the accumulators added in turn
+or as a tree); `find_order` tells which member, if any, this machine's kernel is at a shape.
 
 Exactness. A bf16 value of at least 2^e is a multiple of 2^(e - 7), so where a row's smallest
 nonzero |value| is at least 2^a and the weight's at least 2^b, every product and partial sum is a
@@ -45,23 +49,31 @@ SMALLEST_NORMAL = 2.0**-126
 # what torch's call around it does; the official `wo_a` (8 x 1,024 x 4,096) is 128 times that, a
 # GEMM of about a millisecond whose work outweighs the call
 MOST_WEIGHTS = 1 << 18
-# (lanes, block, odd_first) tried in turn; a block as long as K is one pass over it
-CANDIDATE_ORDERS = ((2, 32, False), (1, 512, True), (1, 0, True), (4, 0, False), (1, 0, False), (2, 0, False),
-                    (8, 0, False), (1, 32, False), (4, 32, False), (8, 32, False), (2, 64, False), (4, 64, False))
+# (lanes, block, odd_first, paired, tree) tried in turn (`products` says what each means); a block as
+# long as K is one pass over it
+CANDIDATE_ORDERS = tuple((lanes, block, odd_first, False, ()) for lanes, block, odd_first in (
+    (2, 32, False), (1, 512, True), (1, 0, True), (4, 0, False), (1, 0, False), (2, 0, False), (8, 0, False),
+    (1, 32, False), (4, 32, False), (8, 32, False), (2, 64, False), (4, 64, False))) + (
+    (16, 0, True, True, (8, 1, 2, 4)),)  # AVX-512 without bf16: oneDNN's bmm, its dot products emulated
 
 
 @numba.njit(cache=True, nogil=True)
-def products(x: np.ndarray, w: np.ndarray, lanes: int, block: int, odd_first: bool, floor: float,
-             out: np.ndarray) -> bool:
+def products(x: np.ndarray, w: np.ndarray, lanes: int, block: int, odd_first: bool, paired: bool,
+             tree: np.ndarray, floor: float, out: np.ndarray) -> bool:
     """out[r, g] = the bf16 bits of x[r, g] @ w[g] for bf16 bits x int16 [R, G, K] and w int16
     [G, K, N], out int16 [R, G, N]: per block of `block` products along K (0: all K), product c
-    added into accumulator c % lanes from +0 (in place order, or with `odd_first` each pair 2i + 1
-    before 2i; K even), the accumulators added first to last, each block's sum added to the total
-    from +0, the total rounded to bf16 (ties to even). Each weight row is widened once for all R
-    rows (the weight is read once, as bf16). False (out unfinished) where a row holds a nonzero
-    magnitude outside [floor, LARGEST) (`row_floor` of the weight)."""
+    added into accumulator c % lanes from +0 (with `paired`, (c // 2) % lanes: the two places of a
+    pair share one, as a dot product's vector lanes take them), in place order or with `odd_first`
+    each pair 2i + 1 before 2i (K even); the accumulators added first to last, or, with `tree`
+    (int64 strides, powers of two covering lanes - 1), level by level: at stride s every lane i
+    still in (no bit of an earlier stride set) without bit s takes lane i + s, lane 0 holding the
+    sum; each block's sum added to the total from +0, the total rounded to bf16 (ties to even).
+    Each weight row is widened once for all R rows (the weight is read once, as bf16). False (out
+    unfinished) where a row holds a nonzero magnitude outside [floor, LARGEST) (`row_floor` of the
+    weight)."""
     rows, groups, k = x.shape
     swap = 1 if odd_first else 0
+    spread = 2 if paired else 1
     n = w.shape[2]
     block = k if block == 0 else block
     values = np.empty((rows, groups, k), np.float32)
@@ -98,7 +110,7 @@ def products(x: np.ndarray, w: np.ndarray, lanes: int, block: int, odd_first: bo
                     rest = place + 4
             for place in range(rest, last):
                 c = place ^ swap
-                lane = c % lanes
+                lane = (c // spread) % lanes
                 for j in range(n):
                     widened_words[0, j] = np.uint32(np.uint16(w[g, c, j])) << np.uint32(16)
                 for r in range(rows):
@@ -106,6 +118,17 @@ def products(x: np.ndarray, w: np.ndarray, lanes: int, block: int, odd_first: bo
                     for j in range(n):
                         accs[r, lane, j] += value * widened[0, j]
             for r in range(rows):
+                if len(tree):
+                    taken = 0
+                    for stride in tree:
+                        for lane in range(lanes):
+                            if lane & (taken | stride) == 0:
+                                for j in range(n):
+                                    accs[r, lane, j] += accs[r, lane + stride, j]
+                        taken |= stride
+                    for j in range(n):
+                        totals[r, j] += accs[r, 0, j]
+                    continue
                 for j in range(n):
                     part = accs[r, 0, j]
                     for lane in range(1, lanes):
@@ -130,9 +153,12 @@ def row_floor(w: torch.Tensor) -> float | None:
     return max(SMALLEST_NORMAL, 2.0 ** (-112 - int(torch.floor(torch.log2(nonzero.min())))))
 
 
+Order = tuple[int, int, bool, bool, tuple[int, ...]]  # (lanes, block, odd_first, paired, tree) of `products`
+
+
 @functools.cache
-def find_order(path: str, groups: int, k: int, n: int, threads: int) -> tuple[int, int, bool] | None:
-    """The (lanes, block, odd_first) of `CANDIDATE_ORDERS` whose sums equal this machine's one-row bf16 GEMM
+def find_order(path: str, groups: int, k: int, n: int, threads: int) -> Order | None:
+    """The member of `CANDIDATE_ORDERS` whose sums equal this machine's one-row bf16 GEMM
     [groups, 1, k] x [groups, k, n] (`path` "grouped": `numerics.grouped_projection` of one token;
     "linear", one group: `numerics.linear` of one token [1, 1, k]) on order-revealing rows (2^20,
     -2^20 and 2^-10 at random places of each column, half of them within one block of 32), random
@@ -160,13 +186,24 @@ def find_order(path: str, groups: int, k: int, n: int, threads: int) -> tuple[in
     rows.append(torch.zeros(groups, k).bfloat16())
     with torch.inference_mode():
         wanted = [_gemm(path, x, w) for x, w in zip(rows, weights, strict=True)]
-        for lanes, block, odd_first in CANDIDATE_ORDERS:
+        for order in CANDIDATE_ORDERS:
+            lanes, block, odd_first = order[:3]
             if k < block or (block and k % block) or (odd_first and k % 2):
                 continue
-            order = (lanes, block, odd_first)
             if all(_loop_equals(x, w, order, want) for x, w, want in zip(rows, weights, wanted, strict=True)):
-                return lanes, block, odd_first
+                return order
     return None
+
+
+def run(x: np.ndarray, w: np.ndarray, order: Order, floor: float, out: np.ndarray) -> bool:
+    """`products` in `order` (as `find_order` returns it)."""
+    lanes, block, odd_first, paired, tree = order
+    return products(x, w, lanes, block, odd_first, paired, _strides(tree), floor, out)
+
+
+@functools.cache
+def _strides(tree: tuple[int, ...]) -> np.ndarray:
+    return np.array(tree, np.int64)
 
 
 def _gemm(path: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -184,8 +221,8 @@ def layout(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(1, 2).contiguous().view(torch.int16)
 
 
-def _loop_equals(x: torch.Tensor, w: torch.Tensor, order: tuple[int, int, bool], want: torch.Tensor) -> bool:
+def _loop_equals(x: torch.Tensor, w: torch.Tensor, order: Order, want: torch.Tensor) -> bool:
     """Whether `products` of one row x [g, K] by w [g, N, K] in the given order gives want [g, N]."""
     out = torch.empty(1, w.size(0), w.size(1), dtype=torch.bfloat16)
-    return products(x.contiguous().view(torch.int16).unsqueeze(0).numpy(), layout(w).numpy(), *order,
-                    row_floor(w), out.view(torch.int16).numpy()) and torch.equal(out[0], want)
+    return run(x.contiguous().view(torch.int16).unsqueeze(0).numpy(), layout(w).numpy(), order, row_floor(w),
+               out.view(torch.int16).numpy()) and torch.equal(out[0], want)

@@ -128,8 +128,8 @@ class Linear(nn.Module):
             return None
         layout, floor = self._rows_layout[1]
         out = torch.empty(rows, groups, n, dtype=torch.bfloat16)
-        if not cpu_bf16_rows.products(x.contiguous().view(torch.int16).numpy(), layout.numpy(), *order, floor,
-                                      out.view(torch.int16).numpy()):
+        if not cpu_bf16_rows.run(x.contiguous().view(torch.int16).numpy(), layout.numpy(), order, floor,
+                                 out.view(torch.int16).numpy()):
             return None
         return out
 
