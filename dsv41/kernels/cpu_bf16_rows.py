@@ -58,6 +58,47 @@ CANDIDATE_ORDERS = tuple((lanes, block, odd_first, False, ()) for lanes, block, 
 
 
 @numba.njit(cache=True, nogil=True)
+def _lanes_four_a_pass(values: np.ndarray, w: np.ndarray, g: int, first: int, last: int, lanes: int, spread: int,
+                       swap: int, widened: np.ndarray, accs: np.ndarray) -> None:
+    """`products`' sums of places first..last-1 into its accumulators, one accumulator at a time:
+    lane L's q-th place is first + (q // spread) * lanes * spread + L * spread + q % spread (first
+    a multiple of lanes * spread; its product is place ^ swap's, which stays in lane L), its four
+    next products added one after another per pass as with one accumulator."""
+    rows, n = accs.shape[0], w.shape[2]
+    words = widened.view(np.uint32)
+    width = lanes * spread
+    for lane in range(lanes):
+        full = (last - first) // width
+        count = full * spread + max(0, min(spread, last - (first + full * width + lane * spread)))
+        for q in range(0, count - count % 4, 4):
+            c0 = (first + (q // spread) * width + lane * spread + q % spread) ^ swap
+            c1 = (first + ((q + 1) // spread) * width + lane * spread + (q + 1) % spread) ^ swap
+            c2 = (first + ((q + 2) // spread) * width + lane * spread + (q + 2) % spread) ^ swap
+            c3 = (first + ((q + 3) // spread) * width + lane * spread + (q + 3) % spread) ^ swap
+            for j in range(n):  # indexed, not sliced: a view costs as much as a row's sums
+                words[0, j] = np.uint32(np.uint16(w[g, c0, j])) << np.uint32(16)
+            for j in range(n):
+                words[1, j] = np.uint32(np.uint16(w[g, c1, j])) << np.uint32(16)
+            for j in range(n):
+                words[2, j] = np.uint32(np.uint16(w[g, c2, j])) << np.uint32(16)
+            for j in range(n):
+                words[3, j] = np.uint32(np.uint16(w[g, c3, j])) << np.uint32(16)
+            for r in range(rows):
+                v0, v1, v2, v3 = values[r, g, c0], values[r, g, c1], values[r, g, c2], values[r, g, c3]
+                for j in range(n):
+                    accs[r, lane, j] = ((((accs[r, lane, j] + v0 * widened[0, j]) + v1 * widened[1, j])
+                                         + v2 * widened[2, j]) + v3 * widened[3, j])
+        for q in range(count - count % 4, count):
+            c = (first + (q // spread) * width + lane * spread + q % spread) ^ swap
+            for j in range(n):
+                words[0, j] = np.uint32(np.uint16(w[g, c, j])) << np.uint32(16)
+            for r in range(rows):
+                value = values[r, g, c]
+                for j in range(n):
+                    accs[r, lane, j] += value * widened[0, j]
+
+
+@numba.njit(cache=True, nogil=True)
 def products(x: np.ndarray, w: np.ndarray, lanes: int, block: int, odd_first: bool, paired: bool,
              tree: np.ndarray, floor: float, out: np.ndarray) -> bool:
     """out[r, g] = the bf16 bits of x[r, g] @ w[g] for bf16 bits x int16 [R, G, K] and w int16
@@ -108,6 +149,10 @@ def products(x: np.ndarray, w: np.ndarray, lanes: int, block: int, odd_first: bo
                             accs[r, 0, j] = ((((accs[r, 0, j] + v0 * widened[0, j]) + v1 * widened[1, j])
                                               + v2 * widened[2, j]) + v3 * widened[3, j])
                     rest = place + 4
+            elif (spread == 2 or not swap) and first % (lanes * spread) == 0:
+                # lane by lane (a lane's sums do not depend on the others'), four of its places a pass
+                _lanes_four_a_pass(values, w, g, first, last, lanes, spread, swap, widened, accs)
+                rest = last
             for place in range(rest, last):
                 c = place ^ swap
                 lane = (c // spread) % lanes
