@@ -57,6 +57,19 @@ CANDIDATE_ORDERS = tuple((lanes, block, odd_first, False, ()) for lanes, block, 
     (16, 0, True, True, (8, 1, 2, 4)),)  # AVX-512 without bf16: oneDNN's bmm, its dot products emulated
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _add_place(values: np.ndarray, w: np.ndarray, g: int, c: int, lane: int, widened: np.ndarray,
+               accs: np.ndarray) -> None:
+    """Place c's products of every row added into accumulator `lane` (widened[0] is scratch)."""
+    words = widened.view(np.uint32)
+    for j in range(w.shape[2]):
+        words[0, j] = np.uint32(np.uint16(w[g, c, j])) << np.uint32(16)
+    for r in range(accs.shape[0]):
+        value = values[r, g, c]
+        for j in range(w.shape[2]):
+            accs[r, lane, j] += value * widened[0, j]
+
+
 @numba.njit(cache=True, nogil=True)
 def _lanes_four_a_pass(values: np.ndarray, w: np.ndarray, g: int, first: int, last: int, lanes: int, spread: int,
                        swap: int, widened: np.ndarray, accs: np.ndarray) -> None:
@@ -89,13 +102,8 @@ def _lanes_four_a_pass(values: np.ndarray, w: np.ndarray, g: int, first: int, la
                     accs[r, lane, j] = ((((accs[r, lane, j] + v0 * widened[0, j]) + v1 * widened[1, j])
                                          + v2 * widened[2, j]) + v3 * widened[3, j])
         for q in range(count - count % 4, count):
-            c = (first + (q // spread) * width + lane * spread + q % spread) ^ swap
-            for j in range(n):
-                words[0, j] = np.uint32(np.uint16(w[g, c, j])) << np.uint32(16)
-            for r in range(rows):
-                value = values[r, g, c]
-                for j in range(n):
-                    accs[r, lane, j] += value * widened[0, j]
+            _add_place(values, w, g, (first + (q // spread) * width + lane * spread + q % spread) ^ swap, lane,
+                       widened, accs)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -154,14 +162,7 @@ def products(x: np.ndarray, w: np.ndarray, lanes: int, block: int, odd_first: bo
                 _lanes_four_a_pass(values, w, g, first, last, lanes, spread, swap, widened, accs)
                 rest = last
             for place in range(rest, last):
-                c = place ^ swap
-                lane = (c // spread) % lanes
-                for j in range(n):
-                    widened_words[0, j] = np.uint32(np.uint16(w[g, c, j])) << np.uint32(16)
-                for r in range(rows):
-                    value = values[r, g, c]
-                    for j in range(n):
-                        accs[r, lane, j] += value * widened[0, j]
+                _add_place(values, w, g, place ^ swap, ((place ^ swap) // spread) % lanes, widened, accs)
             for r in range(rows):
                 if len(tree):
                     taken = 0
