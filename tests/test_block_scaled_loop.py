@@ -215,3 +215,27 @@ def test_stable_numerics_autograd_and_long_inputs_keep_the_gemm(rng):
         linear(x)
     with torch.inference_mode():
         linear(torch.randn(quant.LOOP_ROWS + 1, 96, generator=rng).bfloat16())
+
+
+def test_scaled_blocks_added_by_the_loop_give_the_operators_bits(rng):
+    """A prompt chunk's block products scaled and added in K order (`quant._add_scaled_blocks`):
+    the one-pass loop gives the operators' bits (on two threads), with signed zeros, infinities,
+    NaNs, and scales that take products into the denormals and past fp32's range."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for blocks, rows, n in ((1, 3, 5), (4, 128, 256), (8, 512, 128), (8, 170, 96)):
+            partials = torch.randn(blocks, rows, n, generator=rng) * 8
+            partials[0, 0, :3] = torch.tensor([-0.0, float("inf"), float("nan")])
+            partials[-1, -1, -1] = -0.0
+            a_scale = torch.exp2(torch.randint(-70, 70, (blocks, rows), generator=rng).float())
+            w_scale = torch.exp2(torch.randint(-70, 70, (blocks, n), generator=rng).float())
+            partials[:, 1, 0], partials[0, 1, 0] = 0.0, 1.5 + float(torch.rand((), generator=rng))
+            a_scale[0, 1], w_scale[0, 0] = 2.0**-70, 2.0**-70  # a product rounded into the denormals
+            want = quant._add_scaled_blocks_by_operators(partials.clone(), a_scale, w_scale)
+            with torch.inference_mode():
+                got = quant._add_scaled_blocks(partials.clone(), a_scale, w_scale)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (blocks, rows, n)
+            assert want.isnan().any() and want.isinf().any() and (want.abs() < 2.0**-126).logical_and(want != 0).any()
+    finally:
+        torch.set_num_threads(previous)

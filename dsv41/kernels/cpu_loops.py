@@ -93,6 +93,26 @@ _SUBNORMAL_SHIFTER = np.float32(2.0**14)  # its float32 ulp is 2^-9: adding it r
 
 
 @numba.njit(cache=True, nogil=True)
+def add_scaled_blocks(partials: np.ndarray, a_scale: np.ndarray, w_scale: np.ndarray, out: np.ndarray) -> None:
+    """`quant._add_scaled_blocks` in one pass (a prompt chunk's quantized
+    products; decode-sized ones take `block_scaled_rows`): out[m, j] = the sum from +0, in
+    block order, of (partials[kb, m, j] * a_scale[kb, m]) * w_scale[kb, j] (partials [B, M, N],
+    a_scale [B, M], w_scale [B, N], fp32), each product and sum rounded as the operators round
+    them (no fused multiply-adds). The operators make two passes of products over every block's
+    partials and one pass of sums per block."""
+    zero = np.float32(0.0)
+    for m in range(out.shape[0]):
+        row = out[m]
+        scale, products, column_scales = a_scale[0, m], partials[0, m], w_scale[0]
+        for j in range(row.shape[0]):
+            row[j] = zero + (products[j] * scale) * column_scales[j]
+        for kb in range(1, partials.shape[0]):
+            scale, products, column_scales = a_scale[kb, m], partials[kb, m], w_scale[kb]
+            for j in range(row.shape[0]):
+                row[j] = row[j] + (products[j] * scale) * column_scales[j]
+
+
+@numba.njit(cache=True, nogil=True)
 def fp8_quantize_rows(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> bool:
     """`quant.fp8_quant` of float32 rows x [rows, K], its E4M3 values written as float32 into values
     [rows, K] (C-contiguous) and its scales into scales [rows, K/32]; False (outputs unfinished) at

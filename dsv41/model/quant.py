@@ -340,13 +340,32 @@ def _add_scaled_blocks(partials: torch.Tensor, a_scale: torch.Tensor, w_scale: t
     """partials [K/block, ..., M, N] (one block's products each), a_scale [K/block, ..., M], w_scale
     [K/block, ..., N]: every block's (partial * a_scale) * w_scale at once, then the blocks added in
     K order from +0 (a loop of in-place adds: a cumsum or sum would accumulate in another order or
-    in double)."""
+    in double). On the CPU a compiled loop does it in one pass with the same roundings
+    (`cpu_loops.add_scaled_blocks`)."""
+    if partials.dim() == 3 and partials.dtype == torch.float32 and cpu_loops.serves(partials, a_scale, w_scale):
+        return _add_scaled_blocks_by_loop(partials, a_scale, w_scale)
+    return _add_scaled_blocks_by_operators(partials, a_scale, w_scale)
+
+
+def _add_scaled_blocks_by_operators(partials: torch.Tensor, a_scale: torch.Tensor,
+                                    w_scale: torch.Tensor) -> torch.Tensor:
+    """`_add_scaled_blocks` by torch operators (partials overwritten)."""
     scaled = partials.mul_(a_scale.unsqueeze(-1)).mul_(w_scale.unsqueeze(-2))
     first, *rest = scaled.unbind(0)
     acc = first + numerics.scalar(0.0)  # +0 + first, as a sum from +0 starts (x + 0 == 0 + x, -0 included)
     for part in rest:
         acc.add_(part)
     return acc
+
+
+def _add_scaled_blocks_by_loop(partials: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """`_add_scaled_blocks` of partials [B, M, N] by `cpu_loops.add_scaled_blocks` (the same bits),
+    on the calling thread: split over two threads it was slower at every shape of a `mini` prompt
+    chunk (the loop is as fast as the memory; the operators take two threads and three passes)."""
+    out = partials.new_empty(partials.size(1), partials.size(2))
+    cpu_loops.add_scaled_blocks(partials.contiguous().numpy(), a_scale.float().contiguous().numpy(),
+                                w_scale.float().contiguous().numpy(), out.numpy())
+    return out
 
 
 def quantize_weight_fp8(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
