@@ -94,12 +94,12 @@ _SUBNORMAL_SHIFTER = np.float32(2.0**14)  # its float32 ulp is 2^-9: adding it r
 
 @numba.njit(cache=True, nogil=True)
 def add_scaled_blocks(partials: np.ndarray, a_scale: np.ndarray, w_scale: np.ndarray, out: np.ndarray) -> None:
-    """`quant._add_scaled_blocks` in one pass (a prompt chunk's quantized
-    products; decode-sized ones take `block_scaled_rows`): out[m, j] = the sum from +0, in
-    block order, of (partials[kb, m, j] * a_scale[kb, m]) * w_scale[kb, j] (partials [B, M, N],
-    a_scale [B, M], w_scale [B, N], fp32), each product and sum rounded as the operators round
-    them (no fused multiply-adds). The operators make two passes of products over every block's
-    partials and one pass of sums per block."""
+    """`quant._add_scaled_blocks` in one pass (a prompt chunk's quantized products; decode-sized
+    ones take `block_scaled_rows`): out[m, j] = the sum from +0, in block order, of
+    (partials[kb, m, j] * a_scale[kb, m]) * w_scale[kb, j] (partials [B, M, N], a_scale [B, M],
+    w_scale [B, N], fp32), each product and sum rounded as the operators round them (no fused
+    multiply-adds). The operators make two passes of products over every block's partials and
+    one pass of sums per block."""
     zero = np.float32(0.0)
     for m in range(out.shape[0]):
         row = out[m]
