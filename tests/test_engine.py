@@ -476,7 +476,13 @@ def test_warm_up_leaves_no_pages_and_changes_no_result(micro, rng):
     seq, expected = cold.prefill(ids, packed=True)
     expected_step = cold.step(seq, [7])
     warm = InferenceCore(micro)
+    stepped: list[int] = []
+    step = warm.step
+    warm.step = lambda seq, tokens: stepped.append(len(tokens)) or step(seq, tokens)
     warm.warm_up()
+    del warm.step
+    # a decode step and a DSpark verification's step: the first request's loops are compiled before it
+    assert stepped == [1, micro.config.text_config.dspark_block_size + 1]
     assert warm.pages_in_use == 0
     seq, logits = warm.prefill(ids, packed=True)
     assert torch.equal(logits, expected) and torch.equal(warm.step(seq, [7]), expected_step)

@@ -548,14 +548,19 @@ class InferenceCore:
         """Prefill and step a throwaway sequence, then drop it. The first calls of each layer build
         what later calls reuse (dequantized weights, stacked experts, RoPE tables, the allocator's
         blocks): on the default model about 0.4 s that would otherwise land on the first request's
-        time to first token. Pools too small for it are left alone."""
-        tokens = min(tokens, self.model.config.text_config.max_position_embeddings - 1)
+        time to first token. It steps one token, then as many as a DSpark verification takes:
+        with a cold cache of compiled loops (a fresh install) the first `dsv41 run` otherwise
+        compiled the verification's loops in its first rounds, and DSpark, timing them, drafted
+        little (11.9 against 24.2 tokens/s). Pools too small for it are left alone."""
+        verify = self.model.config.text_config.dspark_block_size + 1  # a DSpark verification's tokens
+        tokens = min(tokens, self.model.config.text_config.max_position_embeddings - 1 - verify)
         try:
-            seq, logits = self.prefill([1] * tokens, capacity=tokens + 1, packed=True)
+            seq, logits = self.prefill([1] * tokens, capacity=tokens + 1 + verify, packed=True)
         except PoolFull:
             return
         try:
             self.step(seq, [int(logits.argmax())])
+            self.step(seq, [int(logits.argmax())] * verify)
         except PoolFull:
             pass
         finally:
