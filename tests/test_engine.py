@@ -1,6 +1,7 @@
 """The inference core against the oracle. Paths are compared in shape-stable numerics
 (`model/numerics.py`), where a position's result does not depend on its chunk, so equality is exact."""
 
+import msgspec
 import pytest
 import torch
 
@@ -489,6 +490,11 @@ def test_warm_up_leaves_no_pages_and_changes_no_result(micro, rng):
     tiny = InferenceCore(micro, pools=PagePools(max_pages=1))
     tiny.warm_up()  # a pool too small for the throwaway sequence is left alone
     assert tiny.pages_in_use == 0
+    text = msgspec.structs.replace(micro.config.text_config, max_position_embeddings=8, dspark_block_size=8)
+    short = InferenceCore(random_model(msgspec.structs.replace(micro.config, text_config=text)))
+    short.step = lambda seq, tokens: stepped.append(len(tokens))
+    short.warm_up()  # a context too short for a prompt and a verification is left alone too
+    assert short.pages_in_use == 0 and len(stepped) == 2
 
 
 def test_prompt_chunks_and_replays_beside_a_decode_step_equal_each_alone(rng):

@@ -551,9 +551,11 @@ class InferenceCore:
         time to first token. It steps one token, then as many as a DSpark verification takes:
         with a cold cache of compiled loops (a fresh install) the first `dsv41 run` otherwise
         compiled the verification's loops in its first rounds, and DSpark, timing them, drafted
-        little (11.9 against 24.2 tokens/s). Pools too small for it are left alone."""
+        little (11.9 against 24.2 tokens/s). Pools or contexts too small for it are left alone."""
         verify = self.model.config.text_config.dspark_block_size + 1  # a DSpark verification's tokens
         tokens = min(tokens, self.model.config.text_config.max_position_embeddings - 1 - verify)
+        if tokens < 1:
+            return
         try:
             seq, logits = self.prefill([1] * tokens, capacity=tokens + 1 + verify, packed=True)
         except PoolFull:
