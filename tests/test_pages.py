@@ -135,8 +135,12 @@ def test_a_dropped_component_sequence_gives_its_pages_back(micro, rng):
     for rid in (1, 2):
         sequences.add(rid, core.prefill(_prompt(rng, 11), "ced", packed=True)[0])
     held = core.pages_in_use
+    release, listed = sequences.get(1).cache.release, []
+    sequences.get(1).cache.release = lambda: listed.append(1 in sequences) or release()
     sequences.pop(1)  # released by its owner
     assert 0 < core.pages_in_use < held
+    # listed until its pages are back: another thread never sees it gone with its pages held
+    assert listed == [True] and 1 not in sequences
     clock[0] = 10.0
     assert sequences.sweep() == 1  # the other one went idle
     assert core.pages_in_use == 0

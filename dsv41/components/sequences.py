@@ -114,9 +114,12 @@ class Sequences:
         return sum(seq.cache.pages_in_use() for seq, _ in self._items.values())
 
     def pop(self, request_id: int) -> None:
-        item = self._items.pop(request_id, None)
+        """Release the request's pages, then forget it: whoever sees it gone (another thread's
+        `dsv41 status`, a test) also sees its pages back."""
+        item = self._items.get(request_id)
         if item is not None:
             item[0].cache.release()
+            del self._items[request_id]
 
     def sweep(self) -> int:
         """Drop idle entries (at most once a second); returns how many were dropped."""
