@@ -492,9 +492,11 @@ def test_warm_up_leaves_no_pages_and_changes_no_result(micro, rng):
     assert tiny.pages_in_use == 0
     text = msgspec.structs.replace(micro.config.text_config, max_position_embeddings=8, dspark_block_size=8)
     short = InferenceCore(random_model(msgspec.structs.replace(micro.config, text_config=text)))
-    short.step = lambda seq, tokens: stepped.append(len(tokens))
+    calls: list[str] = []
+    short.prefill = lambda *args, **kwargs: calls.append("prefill")
+    short.step = lambda seq, tokens: calls.append("step")
     short.warm_up()  # a context too short for a prompt and a verification is left alone too
-    assert short.pages_in_use == 0 and len(stepped) == 2
+    assert calls == [] and short.pages_in_use == 0
 
 
 def test_prompt_chunks_and_replays_beside_a_decode_step_equal_each_alone(rng):
