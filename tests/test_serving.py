@@ -243,6 +243,57 @@ def test_a_client_that_disconnects_has_its_request_cancelled_and_pages_freed(ser
     assert counters["cancelled"] >= 1 and counters["running"] == 0 and counters.get("waiting", 0) == 0
 
 
+def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing():
+    """One running slot and one waiting place: a third request, streaming or not, is refused with 429,
+    the configured Retry-After and the OpenAI error body (the official client raises RateLimitError);
+    the queued request is still served once the running one goes away."""
+    root = short_dir()
+    pipeline = with_overrides(pipeline_for("thread", root, block_tokens=64), name="full-queue",
+                              generation={"request_timeout_s": 60.0, "chunk_size": 16},
+                              scheduling={"max_running": 1, "max_waiting": 1, "retry_after_s": 7})
+    supervisor = Supervisor(pipeline, root / "run").start()
+    server = HTTPServer(build_app(pipeline, supervisor.endpoints, root / "run"))
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        running = http.client.HTTPConnection(host, int(port), timeout=60)
+        running.request("POST", "/v1/completions", json.dumps({"model": "micro", "prompt": LONG + "!",
+                                                               "max_tokens": 2000, "stream": True,
+                                                               "temperature": 0}),
+                        {"Content-Type": "application/json"})
+        response = running.getresponse()
+        assert response.status == 200
+        response.fp.readline()  # decoding: the one running slot is taken
+        queued = {}
+        waiter = threading.Thread(target=lambda: queued.update(answer=post(
+            server.url, "/v1/completions", {"model": "micro", "prompt": "hi", "max_tokens": 3, "temperature": 0})))
+        waiter.start()
+        wait_for(lambda: metric(get(server.url, "/metrics")[1], "vllm:num_requests_waiting") == 1)
+
+        for stream in (False, True):
+            status, answer, headers = post(server.url, "/v1/completions",
+                                           {"model": "micro", "prompt": "hey", "max_tokens": 3, "stream": stream})
+            assert status == 429 and headers["retry-after"] == "7", (stream, status, headers)
+            assert answer["error"]["type"] == "rate_limit_error" and answer["error"]["code"] == "rate_limit_exceeded"
+            assert "the queue is full: 1 requests wait" in answer["error"]["message"]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model="micro", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert refused.value.response.headers["retry-after"] == "7"
+        assert waiter.is_alive()  # still queued behind the running request
+
+        running.sock.shutdown(2)  # the running client goes away: its slot frees and the queued one runs
+        running.close()
+        waiter.join(60)
+        status, answer, _ = queued["answer"]
+        assert status == 200 and answer["usage"]["completion_tokens"] == 3
+        text = get(server.url, "/metrics")[1]
+        assert metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:num_requests_waiting") == 0
+    finally:
+        server.stop()
+        supervisor.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_metrics_use_the_vllm_names(served, client):
     client.completions.create(model="micro", prompt=LONG, max_tokens=3, temperature=0)
     status, text = get(served[0].url, "/metrics")
