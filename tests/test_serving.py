@@ -294,6 +294,33 @@ def test_a_full_queue_answers_429_with_retry_after_and_loses_nothing():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_a_prompt_that_can_never_fit_the_kv_pages_answers_429():
+    """Pools of 8 pages of 128 entries: a 1,500-token prompt cannot fit even alone, so it is refused at
+    once (429, not queued forever); a short prompt is served afterwards."""
+    root = short_dir()
+    pages = {"encoder": {"kv_pages": 8}, "decoder": {"kv_pages": 8}}
+    pipeline = with_overrides(pipeline_for("thread", root, block_tokens=64, **pages), name="few-pages",
+                              generation={"request_timeout_s": 60.0, "chunk_size": 16})
+    supervisor = Supervisor(pipeline, root / "run").start()
+    server = HTTPServer(build_app(pipeline, supervisor.endpoints, root / "run"))
+    try:
+        prompt = [(7 * i) % 300 + 10 for i in range(1500)]
+        status, answer, headers = post(server.url, "/v1/completions", {"model": "micro", "prompt": prompt,
+                                                                       "max_tokens": 2})
+        assert status == 429 and headers["retry-after"] == "1"
+        assert answer["error"]["type"] == "rate_limit_error" and answer["error"]["code"] == "rate_limit_exceeded"
+        assert "main KV page pool is full" in answer["error"]["message"] and "of 8 pages" in answer["error"]["message"]
+        status, answer, _ = post(server.url, "/v1/completions", {"model": "micro", "prompt": "hi", "max_tokens": 2})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2
+        text = get(server.url, "/metrics")[1]  # the refused prompt's partly taken pages went back
+        assert metric(text, "dsv41_kv_pages_in_use", 'component="encoder"') == 0
+        assert metric(text, "dsv41_kv_pages_in_use", 'component="decoder"') == 0
+    finally:
+        server.stop()
+        supervisor.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_metrics_use_the_vllm_names(served, client):
     client.completions.create(model="micro", prompt=LONG, max_tokens=3, temperature=0)
     status, text = get(served[0].url, "/metrics")
