@@ -39,10 +39,10 @@ def post(url: str, path: str, body: bytes | dict, headers: dict | None = None) -
     return response.status, json.loads(raw), dict(response.getheaders())
 
 
-def get(url: str, path: str) -> tuple[int, str]:
+def get(url: str, path: str, headers: dict | None = None) -> tuple[int, str]:
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("GET", path)
+    conn.request("GET", path, headers=headers or {})
     response = conn.getresponse()
     text = response.read().decode()
     conn.close()
@@ -195,13 +195,18 @@ def test_health_and_requests_answer_503_when_the_pipeline_is_down():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_the_api_key_is_required_on_v1_when_set(served):
+def test_the_api_key_is_required_on_every_route_but_health_when_set(served):
     _, supervisor = served
     root = short_dir()
     with HTTPServer(build_app(supervisor.pipeline, supervisor.endpoints, root, api_key="s3cret")) as server:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-            status, answer, _ = post(server.url, "/v1/completions", {"model": "micro", "prompt": "hi"}, headers)
-            assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+            for path in ("/v1/completions", "/v1/chat/completions", "/nothing"):
+                status, answer, _ = post(server.url, path, {"model": "micro", "prompt": "hi"}, headers)
+                assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, headers)
+            for path in ("/metrics", "/v1/models"):
+                assert get(server.url, path, headers)[0] == 401, (path, headers)
+        status, text = get(server.url, "/metrics", {"Authorization": "Bearer s3cret"})
+        assert status == 200 and "vllm:num_requests_running" in text
         ok = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
         assert ok.completions.create(model="micro", prompt="hi", max_tokens=1).usage.completion_tokens == 1
         with pytest.raises(openai.AuthenticationError):

@@ -345,7 +345,8 @@ def _dspark_summary(done: m.Finished) -> str:
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
               help="TCP port of the HTTP API (0: any free port, printed at start).")
 @click.option("--api-key", envvar="DSV41_API_KEY", show_envvar=True,
-              help="Require `Authorization: Bearer KEY` on /v1/ requests (compared in constant time).")
+              help="Require `Authorization: Bearer KEY` on every request but /health, /metrics included "
+                   "(compared in constant time).")
 @click.option("--served-model-name", "model_name",
               help="The model's name in the API (default: the model directory's or config's name).")
 @click.option("--max-body-mb", default=32, show_default=True, type=click.IntRange(1, 4096),

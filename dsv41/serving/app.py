@@ -192,14 +192,17 @@ def _sse(data: dict | str) -> str:
 
 
 class APIKey:
-    """ASGI middleware: with a key set, every /v1/ request must carry `Authorization: Bearer KEY`
-    (compared in constant time); /health and /metrics stay open for probes and scrapers."""
+    """ASGI middleware: with a key set, every request but /health must carry `Authorization: Bearer
+    KEY` (compared in constant time). /metrics is guarded too (a Prometheus scrape job sends the key
+    as its bearer credentials): a front end that protects only its /v1/ routes leaves the rest open
+    to whoever reaches the port. /health stays open for liveness probes; it reveals only which
+    components are up."""
 
     def __init__(self, app, key: str | None):
         self.app, self.key = app, key.encode() if key else None
 
     async def __call__(self, scope, receive, send):
-        if self.key is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if self.key is None or scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         token = given[7:] if given[:7].lower() == b"bearer " else b""
