@@ -152,3 +152,51 @@ print("resumed", more)
         assert min(present) > 0 and len(present) < written + 100  # the oldest went first
     finally:
         store.close()
+
+
+def test_a_reader_follows_a_map_another_process_grew(tmp_path):
+    """A writer process grows the memory map and fills pages past the size this process mapped
+    (1 MiB) while this process holds the store open for reading: the next read transaction adopts the
+    new size (LMDB's MDB_MAP_RESIZED) and reads the new blocks intact, instead of failing."""
+    path = tmp_path / "store"
+    code = f"""
+import sys
+sys.path.insert(0, {str(WORKER.parent)!r})
+import store_worker
+from dsv41.storage.store import GlobalKVStore, StoreConfig
+store = GlobalKVStore({str(path)!r}, store_worker.LAYOUT, StoreConfig(capacity_bytes=2**30, min_age_s=0,
+                      initial_map_bytes=2**20, ballast_bytes=0))
+def put(batch):
+    store.put_many({{k: store_worker.payload(batch, i) for i, k in enumerate(store_worker.batch_keys(batch))}})
+put(0)
+print("ready", flush=True)
+sys.stdin.readline()
+first, batch = store.env.info()["map_size"], 1
+while (store.env.info()["last_pgno"] + 1) * store.env.stat()["psize"] < 1.5 * first:  # pages past the old map
+    put(batch)
+    batch += 1
+print("grown", batch - 1, store.env.info()["map_size"], flush=True)
+sys.stdin.readline()
+store.close()
+"""
+    writer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        store = GlobalKVStore(path, store_worker.LAYOUT, StoreConfig(initial_map_bytes=2**20), readonly=True)
+        try:
+            first_map = store.env.info()["map_size"]
+            assert store.get_copy(store_worker.batch_keys(0)[0]) == store_worker.payload(0, 0)
+            writer.stdin.write("go\n")
+            writer.stdin.flush()
+            _, last, grown = writer.stdout.readline().split()
+            assert int(grown) > first_map
+            with store.reader() as r:
+                for batch in (0, int(last)):
+                    for i, key in enumerate(store_worker.batch_keys(batch)):
+                        assert bytes(r.get(key)) == store_worker.payload(batch, i)
+            assert store.env.info()["map_size"] == int(grown)  # adopted the writer's size
+        finally:
+            store.close()
+    finally:
+        writer.stdin.close()
+        assert writer.wait(30) == 0
