@@ -6,6 +6,8 @@ in-process inference core on the same weights (the micro model: 8 layers, W = 8)
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -141,6 +143,37 @@ def test_kvstore_serves_lookups_reads_writes(running, root, model, rng):
     r.stop()
     with GlobalKVStore(root / "kv", layout, readonly=True) as store:
         assert store.verify() == []
+
+
+def test_kvstore_answers_unavailable_while_every_reader_slot_is_taken(running, root, model, rng):
+    """Another process holds every reader slot of the store: a lookup is answered UNAVAILABLE by name
+    (the encoder then recomputes) instead of an internal error; once that process dies, lookups work."""
+    r = running("kvstore")
+    peer = r.start()
+    ids = torch.randint(3, 300, (40,), generator=rng).tolist()
+    code = f"""
+import sys, time, lmdb
+env = lmdb.open({str(root / "kv")!r}, readonly=True, max_dbs=3, lock=True, max_spare_txns=0, lib_version=0)
+held = []
+try:
+    while True:
+        held.append(env.begin())
+except lmdb.ReadersFullError:
+    print("holding", len(held), flush=True)
+time.sleep(60)
+"""
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().split()[0] == "holding"
+        with pytest.raises(ComponentError) as e:
+            peer.call(m.Lookup(request_id=_rid(), ids=m.pack_ids(ids)))
+        assert e.value.code == m.ErrorCode.UNAVAILABLE and "reader slots" in e.value.text
+    finally:
+        holder.kill()
+        holder.wait(30)
+    hit, _ = peer.call(m.Lookup(request_id=_rid(), ids=m.pack_ids(ids)))
+    assert hit.cached_blocks == 0 and len(hit.keys) == 2
+    r.stop()
 
 
 def test_engram_pushes_the_rows_the_model_would_look_up(running, model, rng):

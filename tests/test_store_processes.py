@@ -10,9 +10,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from dsv41.storage.store import GlobalKVStore, StoreConfig
+from dsv41.storage.store import GlobalKVStore, StoreBusyError, StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import store_worker  # noqa: E402
@@ -200,3 +201,43 @@ store.close()
     finally:
         writer.stdin.close()
         assert writer.wait(30) == 0
+
+
+def test_reads_with_every_reader_slot_taken_are_refused_by_name_until_a_holder_dies(tmp_path):
+    """Another process holds every reader slot of the environment in live read transactions: a read
+    or a write here fails at once with StoreBusyError (no hang, no raw LMDB error, nothing written);
+    once that process is killed (its slots left stale), the next read frees them and succeeds."""
+    path = tmp_path / "store"
+    store = GlobalKVStore(path, store_worker.LAYOUT, StoreConfig(capacity_bytes=2**30, min_age_s=0, max_readers=2))
+    key = store_worker.batch_keys(0)[0]
+    try:
+        store.put_many({k: store_worker.payload(0, i) for i, k in enumerate(store_worker.batch_keys(0))})
+        code = f"""
+import sys, time, lmdb
+sys.path.insert(0, {str(WORKER.parent)!r})
+import store_worker
+from dsv41.storage.store import GlobalKVStore
+store = GlobalKVStore({str(path)!r}, store_worker.LAYOUT, readonly=True)
+held = []
+try:
+    while True:
+        held.append(store.env.begin())
+except lmdb.ReadersFullError:
+    print("holding", len(held), flush=True)
+time.sleep(60)
+"""
+        holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().split()[0] == "holding"
+            with pytest.raises(StoreBusyError, match=f"all {store.env.max_readers()} reader slots"):
+                store.get_copy(key)
+            with pytest.raises(StoreBusyError):  # a write reads the store's size first: refused, nothing written
+                store.put_many({k: store_worker.payload(1, i) for i, k in enumerate(store_worker.batch_keys(1))})
+        finally:
+            holder.kill()
+            holder.wait(30)
+        assert store.get_copy(key) == store_worker.payload(0, 0)  # the dead holder's slots were freed
+        assert store.get_copy(store_worker.batch_keys(1)[0]) is None
+        assert store.verify() == []
+    finally:
+        store.close()

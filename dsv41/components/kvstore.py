@@ -24,7 +24,7 @@ from dsv41.components.runtime import Component, Reply
 from dsv41.storage.blockfmt import BlockLayout
 from dsv41.storage.policy import PrefixCachePolicy
 from dsv41.storage.prefix import Fingerprint
-from dsv41.storage.store import GlobalKVStore, StoreConfig, StoreError, StoreFullError
+from dsv41.storage.store import GlobalKVStore, StoreBusyError, StoreConfig, StoreError, StoreFullError
 from dsv41.storage.swa_pool import SWAPool
 
 GIB = 2**30
@@ -73,6 +73,13 @@ class KVStoreComponent(Component):
                 case m.PutBlocks():
                     reply(m.Stored(request_id=rid, stored=0))
             return
+        try:
+            self._serve(message, frames, reply)
+        except StoreBusyError as e:  # the encoder recomputes, as for any kvstore failure
+            raise m.MessageError(m.ErrorCode.UNAVAILABLE, str(e)) from None
+
+    def _serve(self, message: m.Message, frames: list[memoryview], reply: Reply) -> None:
+        rid = message.request_id
         match message:
             case m.Lookup():
                 extra: dict[int, list[bytes]] = {}

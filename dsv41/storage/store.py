@@ -89,6 +89,11 @@ class StoreLockedError(StoreError):
     """Another process holds the store open for writing."""
 
 
+class StoreBusyError(StoreError):
+    """Every reader slot of the environment is held by a live read transaction (`max_readers`):
+    the read is refused now rather than waited for, and a later one can succeed."""
+
+
 @dataclass
 class StoreConfig:
     capacity_bytes: int = 64 * GIB
@@ -204,7 +209,7 @@ class GlobalKVStore:
 
     def recorded_model_id(self) -> bytes | None:
         """The fingerprint digest recorded in the store (None: created without one)."""
-        with self.env.begin(db=self.info) as txn:
+        with self._begin_read(db=self.info) as txn:
             return txn.get(b"model")
 
     def close(self) -> None:
@@ -225,15 +230,25 @@ class GlobalKVStore:
     @contextmanager
     def reader(self) -> Iterator[_Reader]:
         """A read transaction; views it returns die with it."""
-        try:
-            txn = self.env.begin(buffers=True)
-        except lmdb.MapResizedError:
-            self.env.set_mapsize(0)  # adopt the size another process grew the map to
-            txn = self.env.begin(buffers=True)
+        txn = self._begin_read(buffers=True)
         try:
             yield _Reader(self, txn)
         finally:
             txn.abort()
+
+    def _begin_read(self, db=None, buffers: bool = False):
+        """A read transaction, after adopting a map another process grew, or freeing the reader slots
+        of processes that died holding one (a SIGKILLed reader keeps its slot until a check)."""
+        try:
+            return self.env.begin(db=db, buffers=buffers)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)  # adopt the size another process grew the map to
+            return self.env.begin(db=db, buffers=buffers)
+        except lmdb.ReadersFullError:
+            if not self.env.reader_check():
+                raise StoreBusyError(f"all {self.env.max_readers()} reader slots of {self.path} are held by live "
+                                     "read transactions; retry when some have finished") from None
+            return self.env.begin(db=db, buffers=buffers)
 
     def get_copy(self, key: bytes) -> bytes | None:
         """One block's payload, copied out of the map (or None: missing or damaged)."""
@@ -353,7 +368,7 @@ class GlobalKVStore:
     # -- capacity, retention, eviction ---------------------------------------------------------------
 
     def stored_bytes(self) -> int:
-        with self.env.begin(db=self.info) as txn:
+        with self._begin_read(db=self.info) as txn:
             return _U64.unpack(txn.get(b"bytes"))[0]
 
     def _make_room(self, incoming: int) -> None:
@@ -391,7 +406,7 @@ class GlobalKVStore:
         """Keys to evict, least recently used first, chosen from one snapshot of the metadata (ages
         and sizes read together, so an entry that goes meanwhile cannot be half seen)."""
         now = self.clock()
-        with self.env.begin() as txn:
+        with self._begin_read() as txn:
             excess = _U64.unpack(txn.get(b"bytes", db=self.info))[0] - target
             if excess <= 0:
                 return []
@@ -466,7 +481,7 @@ class GlobalKVStore:
     def verify(self) -> list[tuple[bytes, str]]:
         """Check every block (header, layout, checksum) and the metadata; returns the problems."""
         problems, total = [], 0
-        with self.env.begin(buffers=True) as txn:
+        with self._begin_read(buffers=True) as txn:
             for key, value in txn.cursor(db=self.blocks):
                 try:
                     blockfmt.decode(self.layout, value)
@@ -484,7 +499,7 @@ class GlobalKVStore:
 
     def totals(self) -> dict[str, int]:
         """Cumulative counters of every process that wrote to this store, plus this one's unflushed."""
-        with self.env.begin(db=self.info) as txn:
+        with self._begin_read(db=self.info) as txn:
             out = {}
             for name in ("hits", "misses", "bad", "evicted", "written"):
                 raw = txn.get(name.encode())
@@ -494,7 +509,7 @@ class GlobalKVStore:
 
     def entries(self) -> Iterator[tuple[bytes, float, float, int]]:
         """(key, created, last access, bytes) of every entry."""
-        with self.env.begin(db=self.meta) as txn:
+        with self._begin_read(db=self.meta) as txn:
             for key, value in txn.cursor():
                 yield (bytes(key), *_META.unpack(value))
 
