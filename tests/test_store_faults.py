@@ -167,6 +167,33 @@ def test_a_second_writer_is_refused_while_readers_still_work(tmp_path):
         assert store.verify() == []
 
 
+def test_the_store_stays_in_the_lmdb_09_format_whatever_the_environment_asks(tmp_path):
+    """LMDB_DEFAULT_LIB_VERSION=1 makes a plain `lmdb.open` write LMDB 1.0's file format, which the
+    store's own checks and older readers do not read; the store pins `lib_version=0`, so its file
+    keeps the 0.9 meta pages (magic 0xBEEFC0DE, data format 1) and reads back intact."""
+    code = f"""
+import sys, lmdb
+sys.path.insert(0, {str(HELPERS)!r})
+import store_worker
+from dsv41.storage.store import GlobalKVStore, StoreConfig
+plain = lmdb.open({str(tmp_path / "plain")!r}, map_size=2**20)
+with plain.begin(write=True) as txn:
+    txn.put(b"k", b"v")
+plain.close()
+with GlobalKVStore({str(tmp_path / "store")!r}, store_worker.LAYOUT, StoreConfig(ballast_bytes=0)) as store:
+    store.put_many({{k: store_worker.payload(0, i) for i, k in enumerate(store_worker.batch_keys(0))}})
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "LMDB_DEFAULT_LIB_VERSION": "1"})
+    assert done.returncode == 0, done.stderr
+    meta = bytes.fromhex("dec0efbe01000000")  # 0xBEEFC0DE and data format 1, little-endian, at byte 16
+    assert (tmp_path / "plain" / "data.mdb").read_bytes()[16:24] != meta  # the variable is in effect
+    assert (tmp_path / "store" / "data.mdb").read_bytes()[16:24] == meta
+    with GlobalKVStore(tmp_path / "store", store_worker.LAYOUT, readonly=True) as store:
+        assert store.get_copy(store_worker.batch_keys(0)[1]) == store_worker.payload(0, 1)
+        assert store.verify() == []
+
+
 def test_store_files_are_private_whatever_the_umask(tmp_path):
     path = tmp_path / "store"
     old = os.umask(0)
