@@ -4,6 +4,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -74,6 +75,20 @@ def test_swa_pool_respects_its_byte_bound_and_ttl():
     assert pool.get(bytes([1])) is None and len(pool) == 0 and pool.bytes_used == 0
     with pytest.raises(SWAPoolError, match="cannot fit a pool of 1000 bytes"):
         pool.put(b"big", bytes(1001))
+
+
+def test_swa_pool_ages_do_not_follow_the_wall_clock(monkeypatch):
+    """The pool's ages come from the monotonic clock: setting the wall clock a day ahead expires
+    nothing, a day back revives nothing, and the TTL still ends a snapshot's life."""
+    pool = SWAPool(capacity_bytes=1000, ttl_s=0.2)
+    assert pool.clock is time.monotonic
+    pool.put(b"a", bytes(10))
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 86400)
+    assert pool.get(b"a") == bytes(10)
+    time.sleep(0.3)
+    monkeypatch.setattr(time, "time", lambda: wall() - 86400)
+    assert pool.get(b"a") is None
 
 
 def test_default_pool_is_a_tenth_of_host_memory():
