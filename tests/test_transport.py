@@ -244,6 +244,10 @@ def test_make_socket_sets_the_limits():
             assert sock.getsockopt(zmq.LINGER) == 200
             if kind == zmq.DEALER:
                 assert sock.getsockopt(zmq.IMMEDIATE) == 1
+            else:  # ROUTER_MANDATORY: a reply to a peer that is gone raises instead of vanishing
+                with pytest.raises(zmq.ZMQError) as e:
+                    sock.send_multipart([b"nobody", b"reply"], flags=zmq.NOBLOCK)
+                assert e.value.errno == zmq.EHOSTUNREACH
         finally:
             sock.close(0)
 
@@ -658,3 +662,31 @@ def test_tcp_loopback_serves_without_keys(net):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     net.serve(endpoint)
     assert _echo_call(net.peer(endpoint), "over tcp", 1) == list(b"over tcp")
+
+
+@pytest.mark.timeout(30)
+def test_port_scanner_traffic_is_dropped_and_the_server_keeps_serving(net):
+    """Raw TCP to a component's port (T12): a bare connect, an HTTP request, random bytes and a
+    ZMTP-looking greeting cut short. Each connection is dropped by the server; the process stays up and
+    a real peer is served before, between and after."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    net.serve(endpoint)
+    peer = net.peer(endpoint)
+    assert _echo_call(peer, "before", 1) == list(b"before")
+    port = int(endpoint.rsplit(":", 1)[1])
+    noise = random.Random(12)
+    probes = [b"", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", noise.randbytes(4096),
+              b"\xff" + bytes(8) + b"\x7f\x03\x00NULL", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"]
+    for i, probe in enumerate(probes):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            raw.sendall(probe)
+            raw.shutdown(socket.SHUT_WR)
+            raw.settimeout(5)
+            try:
+                while raw.recv(4096):  # at most ZMTP's greeting comes back, then the server hangs up
+                    pass
+            except ConnectionResetError:
+                pass
+        assert _echo_call(peer, f"after probe {i}", 10 + i) == list(f"after probe {i}".encode())
+    counters = peer.ping(timeout_s=10).counters
+    assert counters["requests"] == 1 + len(probes)
