@@ -241,3 +241,38 @@ time.sleep(60)
         assert store.verify() == []
     finally:
         store.close()
+
+
+def test_a_compact_copy_taken_while_a_writer_churns_is_whole_and_live_sized(tmp_path):
+    """`kv compact`'s copy (S15) made while another process writes and evicts all the time: the copy
+    opens, verifies, holds only whole blocks with their own payloads, and its file is about the size
+    of what it holds, where the churned original has grown well past its live data."""
+    path = tmp_path / "store"
+    writer = Worker("write", str(path), "0", "40")  # small capacity: the writer evicts all the time
+    try:
+        writer.wait_for(60, "ack ")  # well past the capacity: pages freed and reused
+        live = GlobalKVStore(path, store_worker.LAYOUT, readonly=True)
+        try:
+            live.compact_to(tmp_path / "copy")
+        finally:
+            live.close()
+        before = len(writer.acked())
+        writer.wait_for(before + 10, "ack ")  # the writer went on undisturbed
+    finally:
+        writer.kill()
+    copy = GlobalKVStore(tmp_path / "copy", store_worker.LAYOUT, readonly=True)
+    try:
+        assert copy.verify() == []
+        blocks = 0
+        with copy.reader() as r:
+            for key, *_ in list(copy.entries()):
+                batch, i = struct.unpack("<II", key[:8])
+                assert bytes(r.get(key)) == store_worker.payload(batch, i)
+                blocks += 1
+        assert 0 < blocks <= 40
+        held = copy.stored_bytes()
+        size = (tmp_path / "copy" / "data.mdb").stat().st_size
+        assert held <= size <= 1.5 * held + 2**20, (held, size)
+        assert (path / "data.mdb").stat().st_size > size
+    finally:
+        copy.close()
