@@ -690,3 +690,31 @@ def test_port_scanner_traffic_is_dropped_and_the_server_keeps_serving(net):
         assert _echo_call(peer, f"after probe {i}", 10 + i) == list(f"after probe {i}".encode())
     counters = peer.ping(timeout_s=10).counters
     assert counters["requests"] == 1 + len(probes)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_stops_reading_loses_only_its_own_replies(net):
+    """A slow consumer (T5): a peer sends 3,000 requests with 16 KB replies and reads none. The server's
+    queue to it holds at most its high-water mark; beyond it the replies to that peer are dropped and
+    counted (ROUTER_MANDATORY makes the send fail instead of blocking the server or growing without
+    bound), while another peer is served as usual. The slow peer later reads every reply that was not
+    counted as dropped, intact."""
+    endpoint = net.endpoint("ipc")
+    net.serve(endpoint)
+    peer = net.peer(endpoint)
+    slow = net.raw(zmq.DEALER, endpoint)
+    text = "x" * 4000
+    for i in range(3000):
+        slow.send_multipart(_tokenize(text, 100_000 + i))
+    assert _echo_call(peer, "still served", 1) == list(b"still served")
+    deadline = time.monotonic() + 30
+    while (counters := peer.ping(timeout_s=10).counters)["requests"] < 3001:  # every request was handled
+        assert time.monotonic() < deadline, counters
+        time.sleep(0.05)
+    assert counters["unroutable_replies"] >= 1  # far more replies than its queue and the socket buffers hold
+    got = 0
+    while slow.poll(500):
+        reply, _ = m.decode(slow.recv_multipart())
+        assert reply == m.Tokens(request_id=reply.request_id, ids=m.pack_ids(list(text.encode())))
+        got += 1
+    assert got == 3000 - counters["unroutable_replies"] > 0  # every reply not counted as dropped arrives
