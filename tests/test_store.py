@@ -114,6 +114,19 @@ def test_damaged_values_are_misses_never_data(tmp_path):
         assert store.verify() == [] and store.longest_prefix([key(0), key(1)]) == 1
 
 
+def test_verify_finds_blocks_and_metadata_that_disagree(tmp_path):
+    with open_store(tmp_path) as store:
+        store.put_many({key(i): payload(i) for i in range(3)})
+        assert store.verify() == []
+        with store.env.begin(write=True) as txn:  # a block gone, its metadata and bytes left behind
+            txn.delete(key(0), db=store.blocks)
+        with store.env.begin(write=True) as txn:  # metadata gone, its block left behind
+            txn.delete(key(2), db=store.meta)
+        problems = sorted(store.verify())
+        assert (key(0), "metadata without a block") in problems and (key(2), "block without metadata") in problems
+        assert any(why.startswith("byte total") for _, why in problems)
+
+
 def test_other_store_format_or_layout_is_a_clear_error(tmp_path):
     open_store(tmp_path).close()
     other = BlockLayout(32, LAYOUT.groups)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41.storage.store import GlobalKVStore, StoreBusyError, StoreConfig
+from dsv41.storage.store import CRASH_EXIT, GlobalKVStore, StoreBusyError, StoreConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import store_worker  # noqa: E402
@@ -276,3 +276,40 @@ def test_a_compact_copy_taken_while_a_writer_churns_is_whole_and_live_sized(tmp_
         assert (path / "data.mdb").stat().st_size > size
     finally:
         copy.close()
+
+
+@pytest.mark.parametrize("point", ["put:before-commit", "put:after-commit", "evict:before-commit",
+                                   "evict:after-commit"])
+def test_a_writer_ended_at_a_named_point_leaves_a_consistent_store(tmp_path, point):
+    """Whitebox crash points (S3): a writer process armed with DSV41_STORE_CRASH_AT ends at that
+    point of its write path without unwinding. Blocks, metadata and the byte total still agree
+    (`verify`), every acknowledged batch that was not evicted is whole, the batch in flight is whole
+    if its transaction committed and absent if not, and the next writer carries on."""
+    path = tmp_path / "store"
+    done = subprocess.run([sys.executable, str(WORKER), "write", str(path), "0", "40"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "DSV41_STORE_CRASH_AT": point})
+    assert done.returncode == CRASH_EXIT, done.stderr
+    acked = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("ack ")]
+    in_flight = max(acked, default=-1) + 1
+    if point.startswith("evict"):
+        assert len(acked) >= 5  # it ran until the store was full enough to evict
+    config = StoreConfig(capacity_bytes=40 * (store_worker.LAYOUT.payload_bytes + 64), min_age_s=0)
+    store = GlobalKVStore(path, store_worker.LAYOUT, config)
+    try:
+        assert store.verify() == []
+        present = _batches_present(store)
+        assert (present.get(in_flight) == store_worker.BATCH) == (point == "put:after-commit")
+        assert set(present) <= set(acked) | {in_flight}
+        if point == "evict:before-commit":  # the eviction never committed: every acknowledged batch is whole
+            assert all(present.get(batch) == store_worker.BATCH for batch in acked)
+        if point == "evict:after-commit":  # it had: some acknowledged blocks are gone
+            assert sum(present.values()) < len(acked) * store_worker.BATCH
+        with store.reader() as r:
+            for key, *_ in list(store.entries()):
+                batch, i = struct.unpack("<II", key[:8])
+                assert bytes(r.get(key)) == store_worker.payload(batch, i)
+        for batch in range(in_flight + 1, in_flight + 20):  # the next writer carries on, evicting
+            store.put_many({k: store_worker.payload(batch, i) for i, k in enumerate(store_worker.batch_keys(batch))})
+        assert store.verify() == []
+    finally:
+        store.close()

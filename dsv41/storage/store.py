@@ -57,6 +57,15 @@ _LMDB_MAGIC, _LMDB_DATA_VERSION = 0xBEEFC0DE, 1
 _EVICT_BATCH = 512  # entries deleted per transaction: each commit on a full disk needs only a few pages
 _PRIVATE_DIR, _PRIVATE_FILE = 0o700, 0o600  # KV reveals prompts: owner only, whatever the umask
 log = logging.getLogger(__name__)
+CRASH_EXIT = 70  # the exit status of a process ended at an armed crash point
+_CRASH_AT = os.environ.get("DSV41_STORE_CRASH_AT", "")
+
+
+def _crash_point(name: str) -> None:
+    """Crash-consistency tests arm one named point of the write path (`DSV41_STORE_CRASH_AT=name`):
+    the process ends there at once, without unwinding, as SIGKILL or a power cut would."""
+    if name == _CRASH_AT:
+        os._exit(CRASH_EXIT)
 
 
 class StoreError(Exception):
@@ -274,7 +283,9 @@ class GlobalKVStore:
         incoming = sum(len(v) for v in values.values())
         self._make_room(incoming)
         try:
-            return self._write(lambda txn: self._put_values(txn, values))
+            written = self._write(lambda txn: self._put_values(txn, values))
+            _crash_point("put:after-commit")
+            return written
         except StoreDiskFullError:
             # the file cannot grow: evict entries old enough to go, so the batch fits in pages the
             # file already has (twice its size: new values need contiguous runs of free pages)
@@ -293,6 +304,7 @@ class GlobalKVStore:
             written += 1
         self._add_bytes(txn, added)
         self.counters.written += written
+        _crash_point("put:before-commit")
         return written
 
     def flush(self) -> None:
@@ -393,13 +405,19 @@ class GlobalKVStore:
         evicted = 0
         for start in range(0, len(victims), _EVICT_BATCH):
             batch = victims[start : start + _EVICT_BATCH]
-            evicted += self._write_on_reserve(lambda txn, batch=batch: sum(self._delete(txn, k) for k in batch))
+            evicted += self._write_on_reserve(lambda txn, batch=batch: self._evict(txn, batch))
+        _crash_point("evict:after-commit")
         if evicted:
             # one more commit (LMDB reuses the freed pages only after it; an empty transaction
             # would commit nothing, so it carries the eviction counter)
             self.counters.evicted += evicted
             self._write_on_reserve(lambda txn: None)
         self._ensure_ballast()
+        return evicted
+
+    def _evict(self, txn, keys: list[bytes]) -> int:
+        evicted = sum(self._delete(txn, key) for key in keys)
+        _crash_point("evict:before-commit")
         return evicted
 
     def _victims(self, target: int, ignore_min_age: bool) -> list[bytes]:
@@ -479,7 +497,8 @@ class GlobalKVStore:
     # -- operations ----------------------------------------------------------------------------------
 
     def verify(self) -> list[tuple[bytes, str]]:
-        """Check every block (header, layout, checksum) and the metadata; returns the problems."""
+        """Check every block (header, layout, checksum), that blocks and metadata name the same keys,
+        and the byte total; returns the problems."""
         problems, total = [], 0
         with self._begin_read(buffers=True) as txn:
             for key, value in txn.cursor(db=self.blocks):
@@ -492,6 +511,9 @@ class GlobalKVStore:
                     problems.append((bytes(key), "block without metadata"))
                 else:
                     total += _META.unpack(meta)[2]
+            for key, _ in txn.cursor(db=self.meta):
+                if txn.get(key, db=self.blocks) is None:
+                    problems.append((bytes(key), "metadata without a block"))
             stored = _U64.unpack(txn.get(b"bytes", db=self.info))[0]
         if stored != total:
             problems.append((b"", f"byte total {stored} does not match the blocks' {total}"))
