@@ -30,6 +30,7 @@ from dsv41.storage.store import GlobalKVStore
 from tests.helpers.pipelines import StandIn, endpoints, pipeline_for, start_alone
 
 pytestmark = pytest.mark.timeout(180)
+STORE_WORKER = Path(__file__).parent / "helpers" / "store_worker.py"
 
 
 @pytest.fixture(params=["thread", "process"])
@@ -151,18 +152,8 @@ def test_kvstore_answers_unavailable_while_every_reader_slot_is_taken(running, r
     r = running("kvstore")
     peer = r.start()
     ids = torch.randint(3, 300, (40,), generator=rng).tolist()
-    code = f"""
-import sys, time, lmdb
-env = lmdb.open({str(root / "kv")!r}, readonly=True, max_dbs=3, lock=True, max_spare_txns=0, lib_version=0)
-held = []
-try:
-    while True:
-        held.append(env.begin())
-except lmdb.ReadersFullError:
-    print("holding", len(held), flush=True)
-time.sleep(60)
-"""
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, str(STORE_WORKER), "hold", str(root / "kv")], stdout=subprocess.PIPE,
+                              text=True)
     try:
         assert holder.stdout.readline().split()[0] == "holding"
         with pytest.raises(ComponentError) as e:

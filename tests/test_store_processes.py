@@ -212,21 +212,7 @@ def test_reads_with_every_reader_slot_taken_are_refused_by_name_until_a_holder_d
     key = store_worker.batch_keys(0)[0]
     try:
         store.put_many({k: store_worker.payload(0, i) for i, k in enumerate(store_worker.batch_keys(0))})
-        code = f"""
-import sys, time, lmdb
-sys.path.insert(0, {str(WORKER.parent)!r})
-import store_worker
-from dsv41.storage.store import GlobalKVStore
-store = GlobalKVStore({str(path)!r}, store_worker.LAYOUT, readonly=True)
-held = []
-try:
-    while True:
-        held.append(store.env.begin())
-except lmdb.ReadersFullError:
-    print("holding", len(held), flush=True)
-time.sleep(60)
-"""
-        holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen([sys.executable, str(WORKER), "hold", str(path)], stdout=subprocess.PIPE, text=True)
         try:
             assert holder.stdout.readline().split()[0] == "holding"
             with pytest.raises(StoreBusyError, match=f"all {store.env.max_readers()} reader slots"):

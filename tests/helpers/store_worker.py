@@ -4,10 +4,15 @@
                                          print "ack N" after batch N commits; evicts beyond capacity
     store_worker.py read PATH          -- read every stored block forever, checking each; print
                                          "read N" every 50 reads, "torn" on a bad value
+    store_worker.py hold PATH          -- hold every free reader slot in open read transactions;
+                                         print "holding N", then sleep a minute
 """
 
 import struct
 import sys
+import time
+
+import lmdb
 
 from dsv41.storage.blockfmt import BlockLayout
 from dsv41.storage.store import GlobalKVStore, StoreConfig
@@ -52,8 +57,21 @@ def read(path: str) -> None:
                     print(f"read {reads}", flush=True)
 
 
+def hold(path: str) -> None:
+    env = lmdb.open(path, readonly=True, max_dbs=3, lock=True, max_spare_txns=0, lib_version=0)
+    held = []
+    try:
+        while True:
+            held.append(env.begin())
+    except lmdb.ReadersFullError:
+        print(f"holding {len(held)}", flush=True)
+    time.sleep(60)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "write":
         write(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "hold":
+        hold(sys.argv[2])
     else:
         read(sys.argv[2])
