@@ -300,3 +300,36 @@ def test_a_writer_ended_at_a_named_point_leaves_a_consistent_store(tmp_path, poi
         assert store.verify() == []
     finally:
         store.close()
+
+
+def test_a_long_verify_beside_a_busy_writer_does_not_pin_the_pages_it_frees(tmp_path, monkeypatch):
+    """A long read transaction (S14) keeps every page freed after it from reuse: a `verify` that
+    took one snapshot for its whole scan let a churning writer grow the file by all it replaced
+    meanwhile. The scan now renews its snapshot every `max_read_txn_s`, so the file stays near its
+    live size. Each verify is slowed to 50 ms a block; the same scan with no bound is the control."""
+    from dsv41.storage import store as store_module
+
+    decode = store_module.blockfmt.decode
+
+    def slow_decode(layout, value):
+        time.sleep(0.05)
+        return decode(layout, value)
+
+    monkeypatch.setattr(store_module.blockfmt, "decode", slow_decode)
+    path = tmp_path / "store"
+    writer = Worker("write", str(path), "0", "40")  # small capacity: the writer evicts all the time
+    growth = {}
+    try:
+        writer.wait_for(20, "ack ")
+        for bound in (float("inf"), 0.02):
+            store = GlobalKVStore(path, store_worker.LAYOUT, StoreConfig(max_read_txn_s=bound), readonly=True)
+            try:
+                size, acked = (path / "data.mdb").stat().st_size, len(writer.acked())
+                assert store.verify() == []
+                growth[bound] = (path / "data.mdb").stat().st_size - size
+                assert len(writer.acked()) > acked + 20  # the writer churned meanwhile
+            finally:
+                store.close()
+    finally:
+        writer.kill()
+    assert growth[0.02] * 4 < growth[float("inf")], growth  # 0 against 39 MB here

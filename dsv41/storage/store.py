@@ -113,6 +113,10 @@ class StoreConfig:
     max_readers: int = 1024
     initial_map_bytes: int = 256 * 2**20
     ballast_bytes: int = 32 * 2**20  # disk kept free for the eviction commits of a full disk (0: none)
+    # the longest a long scan (`verify`) keeps one read transaction: an open snapshot keeps every
+    # page freed after it from reuse, so a scan of a large store beside a busy writer would grow
+    # the file by everything the writer replaced meanwhile
+    max_read_txn_s: float = 1.0
 
 
 @dataclass
@@ -498,26 +502,46 @@ class GlobalKVStore:
 
     def verify(self) -> list[tuple[bytes, str]]:
         """Check every block (header, layout, checksum), that blocks and metadata name the same keys,
-        and the byte total; returns the problems."""
+        and the byte total; returns the problems. The metadata and the byte total are checked in one
+        snapshot; the blocks, the long part, in snapshots of at most `max_read_txn_s` each, so a scan
+        beside a busy writer does not keep its freed pages from reuse."""
         problems, total = [], 0
         with self._begin_read(buffers=True) as txn:
-            for key, value in txn.cursor(db=self.blocks):
-                try:
-                    blockfmt.decode(self.layout, value)
-                except BadBlock as exc:
-                    problems.append((bytes(key), str(exc)))
-                meta = txn.get(key, db=self.meta)
-                if meta is None:
-                    problems.append((bytes(key), "block without metadata"))
-                else:
-                    total += _META.unpack(meta)[2]
-            for key, _ in txn.cursor(db=self.meta):
+            for key, meta in txn.cursor(db=self.meta):
+                total += _META.unpack(meta)[2]
                 if txn.get(key, db=self.blocks) is None:
                     problems.append((bytes(key), "metadata without a block"))
             stored = _U64.unpack(txn.get(b"bytes", db=self.info))[0]
         if stored != total:
-            problems.append((b"", f"byte total {stored} does not match the blocks' {total}"))
+            problems.append((b"", f"byte total {stored} does not match the metadata's {total}"))
+        for key, value, meta in self._scan_blocks():
+            try:
+                blockfmt.decode(self.layout, value)
+            except BadBlock as exc:
+                problems.append((key, str(exc)))
+            if meta is None:
+                problems.append((key, "block without metadata"))
         return problems
+
+    def _scan_blocks(self) -> Iterator[tuple[bytes, memoryview, memoryview | None]]:
+        """(key, value, metadata or None) of every block in key order, read in a new snapshot
+        whenever the current one is `max_read_txn_s` old; a value is valid until the next item."""
+        after: bytes | None = None
+        while True:
+            started = time.monotonic()
+            with self._begin_read(buffers=True) as txn:
+                cursor = txn.cursor(db=self.blocks)
+                found = cursor.set_range(after) if after is not None else cursor.first()
+                if found and after is not None and bytes(cursor.key()) == after:
+                    found = cursor.next()
+                while found:
+                    after = bytes(cursor.key())
+                    yield after, cursor.value(), txn.get(after, db=self.meta)
+                    found = cursor.next()
+                    if found and time.monotonic() - started > self.config.max_read_txn_s:
+                        break
+                if not found:
+                    return
 
     def totals(self) -> dict[str, int]:
         """Cumulative counters of every process that wrote to this store, plus this one's unflushed."""
