@@ -23,6 +23,7 @@ from dsv41.storage.blockfmt import BlockLayout
 from dsv41.storage.store import (
     GlobalKVStore,
     StoreConfig,
+    StoreError,
     StoreIdentityError,
     StoreLockedError,
 )
@@ -336,3 +337,28 @@ def test_a_full_disk_recovers_by_releasing_the_ballast(tmp_path):
     assert out.stdout.splitlines() == ["put refused True", "kv gc 1 failed"], out.stderr
     assert "Error: store" in out.stderr and "the disk is full" in out.stderr
     assert time.monotonic() - started < 20
+
+
+def test_a_store_used_after_fork_is_refused_and_the_parent_goes_on(tmp_path):
+    """LMDB environments must not cross fork() (S17): a forked child that reads or writes through its
+    parent's handle gets a named StoreError, nothing reaches the file, and the parent's handle and
+    the store are intact. (The launcher starts components as new interpreters, never by fork.)"""
+    fill(tmp_path / "store", batches=2, min_age_s=0)
+    store = GlobalKVStore(tmp_path / "store", store_worker.LAYOUT, StoreConfig(min_age_s=0))
+    try:
+        key = store_worker.batch_keys(0)[0]
+        pid = os.fork()
+        if pid == 0:  # the child: both uses must be refused by name
+            refused = 0
+            for use in (lambda: store.get_copy(key),
+                        lambda: store.put_many({store_worker.batch_keys(9)[0]: store_worker.payload(9, 0)})):
+                try:
+                    use()
+                except StoreError as exc:
+                    refused += "opened by process" in str(exc)
+            os._exit(0 if refused == 2 else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert store.get_copy(key) == store_worker.payload(0, 0)
+        assert store.get_copy(store_worker.batch_keys(9)[0]) is None and store.verify() == []
+    finally:
+        store.close()

@@ -144,6 +144,7 @@ class GlobalKVStore:
                  quarantine: bool = False):
         self.path, self.layout, self.config = Path(path), layout, config or StoreConfig()
         self.clock, self.readonly, self.model_id = clock, readonly, model_id
+        self._owner_pid = os.getpid()  # LMDB environments must not be used across fork()
         self.counters = Counters()
         self._flushed = Counters()  # counter values already added to the store's totals
         self._pending = _Pending()
@@ -252,6 +253,7 @@ class GlobalKVStore:
     def _begin_read(self, db=None, buffers: bool = False):
         """A read transaction, after adopting a map another process grew, or freeing the reader slots
         of processes that died holding one (a SIGKILLed reader keeps its slot until a check)."""
+        self._require_own_process()
         try:
             return self.env.begin(db=db, buffers=buffers)
         except lmdb.MapResizedError:
@@ -319,6 +321,7 @@ class GlobalKVStore:
     def _write(self, body: Callable):
         """One write transaction: the pending touches and deletions, then `body`; grows the map
         first when it is nearly full, and once more on MapFullError."""
+        self._require_own_process()
         self._grow_map_if_needed()
         self.env.reader_check()  # free slots of readers that died; a dead slot would pin old pages
         for attempt in (0, 1):
@@ -562,6 +565,14 @@ class GlobalKVStore:
     def compact_to(self, dest: str | Path) -> None:
         Path(dest).mkdir(parents=True, exist_ok=False)
         self.env.copy(str(dest), compact=True)
+
+    def _require_own_process(self) -> None:
+        """LMDB forbids using an environment in a process forked from the one that opened it (its
+        locks and reader slots belong to the parent): such a use is refused instead of risking the
+        store."""
+        if os.getpid() != self._owner_pid:
+            raise StoreError(f"the store {self.path} was opened by process {self._owner_pid}; a forked process "
+                             "must open it again itself")
 
     def _require_writer(self) -> None:
         if self.readonly:
