@@ -164,6 +164,7 @@ def test_kvstore_answers_unavailable_while_every_reader_slot_is_taken(running, r
         holder.wait(30)
     hit, _ = peer.call(m.Lookup(request_id=_rid(), ids=m.pack_ids(ids)))
     assert hit.cached_blocks == 0 and len(hit.keys) == 2
+    _wait_for(lambda: peer.ping().counters.get("store_reader_slots_freed", 0) >= 1)  # the dead holder's
     r.stop()
 
 

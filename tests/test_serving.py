@@ -337,6 +337,7 @@ def test_metrics_use_the_vllm_names(served, client):
                  "vllm:prefix_cache_hits_total", "dsv41_replayed_layer_tokens_total", "dsv41_kv_pages_in_use",
                  "dsv41_swa_pool_entries", "dsv41_swa_pool_bytes", "dsv41_swa_pool_ttl_evictions_total",
                  "dsv41_store_read_bytes_total", "dsv41_store_written_bytes_total", "dsv41_store_size_bytes",
+                 "dsv41_store_reader_slots_freed_total",
                  "dsv41_engram_wait_seconds_bucket", "dsv41_spec_decode_mean_acceptance_length",
                  "vllm:spec_decode_num_accepted_tokens_total"):
         assert f"\n{name}" in text, name

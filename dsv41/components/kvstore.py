@@ -133,7 +133,8 @@ class KVStoreComponent(Component):
             pool = self.policy.pool
             gauges = {"swa_pool_entries": len(pool), "swa_pool_bytes": pool.bytes_used,
                       "swa_pool_expired": pool.counters.expired, "swa_pool_evicted": pool.counters.evicted,
-                      "store_size_bytes": self.policy.store.stored_bytes()}
+                      "store_size_bytes": self.policy.store.stored_bytes(),
+                      "store_reader_slots_freed": self.policy.store.reader_slots_freed}
             for key, value in gauges.items():  # set, not added (Counter.update adds)
                 self.counters[key] = value
         return False

@@ -83,6 +83,8 @@ COMPONENT_SERIES = (
     ("dsv41_store_written_bytes", "Global KV bytes written to the persistent prefix store.", "kvstore",
      "store_written_bytes", "counter"),
     ("dsv41_store_size_bytes", "Bytes held by the persistent prefix store.", "kvstore", "store_size_bytes", "gauge"),
+    ("dsv41_store_reader_slots_freed", "Store reader slots given back after their process died holding them.",
+     "kvstore", "store_reader_slots_freed", "counter"),
     ("vllm:spec_decode_num_drafts", "Drafts verified by speculative decoding.", "dspark", "spec_drafts", "counter"),
     ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", "dspark", "spec_draft_tokens", "counter"),
     ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "dspark", "spec_accepted_tokens", "counter"),

@@ -145,6 +145,7 @@ class GlobalKVStore:
         self.path, self.layout, self.config = Path(path), layout, config or StoreConfig()
         self.clock, self.readonly, self.model_id = clock, readonly, model_id
         self._owner_pid = os.getpid()  # LMDB environments must not be used across fork()
+        self.reader_slots_freed = 0  # slots of dead readers this handle gave back (a gauge for operators)
         self.counters = Counters()
         self._flushed = Counters()  # counter values already added to the store's totals
         self._pending = _Pending()
@@ -181,7 +182,7 @@ class GlobalKVStore:
             for name in ("data.mdb", "lock.mdb", "ballast"):
                 if (self.path / name).exists():
                     os.chmod(self.path / name, _PRIVATE_FILE)
-        self.env.reader_check()
+        self._free_dead_readers()
         self.blocks = self.env.open_db(b"blocks", create=not self.readonly)
         self.meta = self.env.open_db(b"meta", create=not self.readonly)
         self.info = self.env.open_db(b"info", create=not self.readonly)
@@ -260,10 +261,16 @@ class GlobalKVStore:
             self.env.set_mapsize(0)  # adopt the size another process grew the map to
             return self.env.begin(db=db, buffers=buffers)
         except lmdb.ReadersFullError:
-            if not self.env.reader_check():
+            if not self._free_dead_readers():
                 raise StoreBusyError(f"all {self.env.max_readers()} reader slots of {self.path} are held by live "
                                      "read transactions; retry when some have finished") from None
             return self.env.begin(db=db, buffers=buffers)
+
+    def _free_dead_readers(self) -> int:
+        """Give back the reader slots of processes that died inside a read transaction; how many."""
+        freed = self.env.reader_check()
+        self.reader_slots_freed += freed
+        return freed
 
     def get_copy(self, key: bytes) -> bytes | None:
         """One block's payload, copied out of the map (or None: missing or damaged)."""
@@ -323,7 +330,7 @@ class GlobalKVStore:
         first when it is nearly full, and once more on MapFullError."""
         self._require_own_process()
         self._grow_map_if_needed()
-        self.env.reader_check()  # free slots of readers that died; a dead slot would pin old pages
+        self._free_dead_readers()  # a dead reader's slot would pin old pages
         for attempt in (0, 1):
             try:
                 with self.env.begin(write=True) as txn:
