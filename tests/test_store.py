@@ -1,11 +1,17 @@
 """The LMDB global-KV store: contents, retention, growth, damage, versions, restarts."""
 
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from dsv41.storage.blockfmt import HEADER_BYTES, BlockLayout
 from dsv41.storage.store import GlobalKVStore, StoreConfig, StoreFullError, StoreVersionError
@@ -173,3 +179,72 @@ def test_kv_commands(tmp_path):
     result = run(cli, ["kv", "compact", "--path", path, str(tmp_path / "copy")])
     assert result.exit_code == 0 and (tmp_path / "copy" / "data.mdb").is_file()
     assert run(cli, ["kv", "stats", "--path", str(tmp_path / "nowhere")]).exit_code == 1
+
+
+class RetentionMachine(RuleBasedStateMachine):
+    """The store's retention against a model of its documented rules (S13): a batch that would pass
+    the 95 % watermark first evicts, least recently used first, entries at least the minimum age
+    old, down to 90 % less the batch; if it still does not fit the capacity it is refused whole.
+    Reads count as uses once written (each is flushed here). Keys, bytes and the eviction order
+    must match the model after every step."""
+
+    CAPACITY, MIN_AGE_H = 10, 72.0
+
+    def __init__(self):
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="d41ret", dir="/tmp"))
+        self.clock = Clock()
+        self.store = open_store(self.root, self.clock, blocks=self.CAPACITY, min_age_h=self.MIN_AGE_H,
+                                touch_granularity_s=0)
+        self.model: dict[int, tuple[float, float]] = {}  # id -> (created, last use)
+
+    @rule(ids=st.lists(st.integers(0, 29), min_size=1, max_size=3, unique=True))
+    def put(self, ids):
+        cap, incoming, now = self.CAPACITY * BLOCK, len(ids) * BLOCK, self.clock.now
+        expected = dict(self.model)
+        if len(expected) * BLOCK + incoming > 0.95 * cap:
+            target = max(0, int(0.90 * cap) - incoming)
+            old_enough = sorted((last, key(i), i) for i, (created, last) in expected.items()
+                                if now - created >= self.MIN_AGE_H * 3600)
+            for _, _, i in old_enough:
+                if len(expected) * BLOCK <= target:
+                    break
+                del expected[i]
+        fits = len(expected) * BLOCK + incoming <= cap
+        if fits:
+            for i in ids:
+                expected.setdefault(i, (now, now))
+            assert self.store.put_many({key(i): payload(i) for i in ids}) == len(set(ids) - set(self.model))
+        else:
+            with pytest.raises(StoreFullError):
+                self.store.put_many({key(i): payload(i) for i in ids})
+        self.model = expected
+
+    @rule(i=st.integers(0, 29))
+    def get(self, i):
+        with self.store.reader() as r:
+            got = r.get(key(i))
+            assert (bytes(got) if got is not None else None) == (payload(i) if i in self.model else None)
+        self.store.flush()
+        if i in self.model:
+            self.model[i] = (self.model[i][0], self.clock.now)
+
+    @rule(hours=st.integers(1, 100))
+    def advance(self, hours):
+        self.clock.now += hours * 3600
+
+    @invariant()
+    def matches_the_model(self):
+        assert {k for k, *_ in self.store.entries()} == {key(i) for i in self.model}
+        assert self.store.stored_bytes() == len(self.model) * BLOCK <= self.CAPACITY * BLOCK
+
+    def teardown(self):
+        try:
+            assert self.store.verify() == []
+        finally:
+            self.store.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+test_retention_follows_its_model = RetentionMachine.TestCase
+test_retention_follows_its_model.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
