@@ -204,6 +204,19 @@ store.close()
         assert writer.wait(30) == 0
 
 
+OPEN_READONLY = f"""
+import sys
+sys.path.insert(0, {str(WORKER.parent)!r})
+import store_worker
+from dsv41.storage.store import GlobalKVStore
+try:
+    GlobalKVStore(sys.argv[1], store_worker.LAYOUT, readonly=True).close()
+    print("opened")
+except Exception as exc:
+    print(type(exc).__name__)
+"""
+
+
 def test_reads_with_every_reader_slot_taken_are_refused_by_name_until_a_holder_dies(tmp_path):
     """Another process holds every reader slot of the environment in live read transactions: a read
     or a write here fails at once with StoreBusyError (no hang, no raw LMDB error, nothing written);
@@ -220,6 +233,9 @@ def test_reads_with_every_reader_slot_taken_are_refused_by_name_until_a_holder_d
                 store.get_copy(key)
             with pytest.raises(StoreBusyError):  # a write reads the store's size first: refused, nothing written
                 store.put_many({k: store_worker.payload(1, i) for i, k in enumerate(store_worker.batch_keys(1))})
+            opening = subprocess.run([sys.executable, "-c", OPEN_READONLY, str(path)], capture_output=True, text=True,
+                                     timeout=60)  # another process's read-only open (`kv stats`) is refused by name
+            assert opening.stdout.strip() == "StoreBusyError", opening.stdout + opening.stderr
         finally:
             holder.kill()
             holder.wait(30)

@@ -145,7 +145,7 @@ class GlobalKVStore:
         self.path, self.layout, self.config = Path(path), layout, config or StoreConfig()
         self.clock, self.readonly, self.model_id = clock, readonly, model_id
         self._owner_pid = os.getpid()  # LMDB environments must not be used across fork()
-        self.reader_slots_freed = 0  # slots of dead readers this handle gave back (a gauge for operators)
+        self.reader_slots_freed = 0  # slots of dead readers this handle gave back (counted for operators)
         self.counters = Counters()
         self._flushed = Counters()  # counter values already added to the store's totals
         self._pending = _Pending()
@@ -174,19 +174,25 @@ class GlobalKVStore:
                     if not quarantine:
                         raise
                     log.error("%s; moved its files to %s and starting empty", exc, _move_aside(self.path))
-        self.env = lmdb.open(str(self.path), map_size=self._map_size_for_open(), max_dbs=3, readonly=self.readonly,
-                             max_readers=self.config.max_readers, max_spare_txns=0, writemap=False, sync=True,
-                             metasync=True, lock=True, lib_version=0, mode=_PRIVATE_FILE)
+        try:  # opening reads the main database: a reader slot
+            self.env = lmdb.open(str(self.path), map_size=self._map_size_for_open(), max_dbs=3, readonly=self.readonly,
+                                 max_readers=self.config.max_readers, max_spare_txns=0, writemap=False, sync=True,
+                                 metasync=True, lock=True, lib_version=0, mode=_PRIVATE_FILE)
+        except lmdb.ReadersFullError:
+            raise self._busy() from None
         self._closing.callback(self.env.close)
         if not self.readonly:  # also tightens files an older version or a person left loose
             for name in ("data.mdb", "lock.mdb", "ballast"):
                 if (self.path / name).exists():
                     os.chmod(self.path / name, _PRIVATE_FILE)
         self._free_dead_readers()
-        self.blocks = self.env.open_db(b"blocks", create=not self.readonly)
-        self.meta = self.env.open_db(b"meta", create=not self.readonly)
-        self.info = self.env.open_db(b"info", create=not self.readonly)
-        self._check_identity()
+        try:  # these read the main database: a reader slot each
+            self.blocks = self.env.open_db(b"blocks", create=not self.readonly)
+            self.meta = self.env.open_db(b"meta", create=not self.readonly)
+            self.info = self.env.open_db(b"info", create=not self.readonly)
+            self._check_identity()
+        except lmdb.ReadersFullError:
+            raise self._busy() from None
         if not self.readonly:
             self._ensure_ballast()
 
@@ -262,9 +268,13 @@ class GlobalKVStore:
             return self.env.begin(db=db, buffers=buffers)
         except lmdb.ReadersFullError:
             if not self._free_dead_readers():
-                raise StoreBusyError(f"all {self.env.max_readers()} reader slots of {self.path} are held by live "
-                                     "read transactions; retry when some have finished") from None
+                raise self._busy() from None
             return self.env.begin(db=db, buffers=buffers)
+
+    def _busy(self) -> StoreBusyError:
+        slots = self.env.max_readers() if hasattr(self, "env") else "the"
+        return StoreBusyError(f"all {slots} reader slots of {self.path} are held by live read transactions; retry "
+                              "when some have finished")
 
     def _free_dead_readers(self) -> int:
         """Give back the reader slots of processes that died inside a read transaction; how many."""
