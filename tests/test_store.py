@@ -84,6 +84,25 @@ def test_lru_order_beyond_the_minimum_age(tmp_path):
         assert store.stored_bytes() <= 0.95 * 10 * BLOCK and store.verify() == []
 
 
+def test_a_batch_counts_only_its_new_keys_and_keeps_its_stored_ones(tmp_path):
+    """A batch that re-stores the least recently used entry beside one new block: only the new block
+    counts against the capacity, the re-stored entry is not evicted (and written back as new) but
+    counts as a use, and the next least recently used entry makes the room."""
+    clock = Clock()
+    with open_store(tmp_path, clock, blocks=10, touch_granularity_s=0) as store:
+        for i in range(9):
+            store.put_many({key(i): payload(i)})
+            clock.now += 1
+        clock.now += 73 * 3600
+        created = {k: c for k, c, *_ in store.entries()}
+        assert store.put_many({key(0): payload(0), key(50): payload(50)}) == 1  # 9 + 1 blocks pass 95 %
+        entries = {k: (c, last) for k, c, last, *_ in store.entries()}
+        assert key(0) in entries and key(1) not in entries and len(entries) == 9
+        assert entries[key(0)] == (created[key(0)], clock.now)  # the same entry, used now
+        assert store.put_many({key(i): payload(i) for i in (2, 3, 4)}) == 0  # all stored: nothing goes
+        assert len(list(store.entries())) == 9 and store.stored_bytes() == 9 * BLOCK and store.verify() == []
+
+
 def test_access_times_are_buffered_not_written_per_read(tmp_path):
     clock = Clock()
     with open_store(tmp_path, clock) as store:
@@ -182,11 +201,12 @@ def test_kv_commands(tmp_path):
 
 
 class RetentionMachine(RuleBasedStateMachine):
-    """The store's retention against a model of its documented rules (S13): a batch that would pass
-    the 95 % watermark first evicts, least recently used first, entries at least the minimum age
-    old, down to 90 % less the batch; if it still does not fit the capacity it is refused whole.
-    Reads count as uses once written (each is flushed here). Keys, bytes and the eviction order
-    must match the model after every step."""
+    """The store's retention against a model of its documented rules (S13): a batch whose new keys
+    would pass the 95 % watermark first evicts, least recently used first, entries at least the
+    minimum age old and not in the batch, down to 90 % less the new keys; if they still do not fit
+    the capacity the batch is refused whole. Reads count as uses once written (each is flushed
+    here), and so does a batch's key already stored. Keys, bytes and the eviction order must match
+    the model after every step."""
 
     CAPACITY, MIN_AGE_H = 10, 72.0
 
@@ -200,21 +220,22 @@ class RetentionMachine(RuleBasedStateMachine):
 
     @rule(ids=st.lists(st.integers(0, 29), min_size=1, max_size=3, unique=True))
     def put(self, ids):
-        cap, incoming, now = self.CAPACITY * BLOCK, len(ids) * BLOCK, self.clock.now
+        cap, now = self.CAPACITY * BLOCK, self.clock.now
+        new = [i for i in ids if i not in self.model]
+        incoming = len(new) * BLOCK
         expected = dict(self.model)
         if len(expected) * BLOCK + incoming > 0.95 * cap:
             target = max(0, int(0.90 * cap) - incoming)
             old_enough = sorted((last, key(i), i) for i, (created, last) in expected.items()
-                                if now - created >= self.MIN_AGE_H * 3600)
+                                if now - created >= self.MIN_AGE_H * 3600 and i not in ids)
             for _, _, i in old_enough:
                 if len(expected) * BLOCK <= target:
                     break
                 del expected[i]
         fits = len(expected) * BLOCK + incoming <= cap
-        if fits:  # the batch counts whole, so an old entry of its own may have gone and comes back new
-            new = [i for i in ids if i not in expected]
-            for i in new:
-                expected[i] = (now, now)
+        if fits:
+            for i in ids:
+                expected[i] = (expected[i][0] if i in expected else now, now)
             assert self.store.put_many({key(i): payload(i) for i in ids}) == len(new)
         else:
             with pytest.raises(StoreFullError):

@@ -300,11 +300,14 @@ class GlobalKVStore:
 
     def put_many(self, payloads: dict[bytes, bytes | memoryview]) -> int:
         """Store blocks (payloads in the layout) in one transaction; returns how many were new.
-        Raises StoreFullError (storing nothing) when they cannot fit."""
+        Keys already stored keep their value and count as a use; only the new ones count against
+        the capacity, and the batch's own entries are never evicted to make room for it.
+        Raises StoreFullError (storing nothing) when the new ones cannot fit."""
         self._require_writer()
         values = {key: blockfmt.encode(self.layout, payload) for key, payload in payloads.items()}
-        incoming = sum(len(v) for v in values.values())
-        self._make_room(incoming)
+        incoming = sum(len(values[key]) for key in self._absent(values))
+        keep = frozenset(values)
+        self._make_room(incoming, keep)
         try:
             written = self._write(lambda txn: self._put_values(txn, values))
             _crash_point("put:after-commit")
@@ -312,14 +315,22 @@ class GlobalKVStore:
         except StoreDiskFullError:
             # the file cannot grow: evict entries old enough to go, so the batch fits in pages the
             # file already has (twice its size: new values need contiguous runs of free pages)
-            if not self.gc(target_bytes=max(0, self.stored_bytes() - 2 * incoming)):
+            if not self.gc(target_bytes=max(0, self.stored_bytes() - 2 * incoming), keep=keep):
                 raise
             return self._write(lambda txn: self._put_values(txn, values))
+
+    def _absent(self, keys) -> list[bytes]:
+        """The keys not stored now (or about to go as bad values with the next write)."""
+        with self._begin_read() as txn:
+            return [key for key in keys if key in self._pending.bad or txn.get(key, db=self.meta) is None]
 
     def _put_values(self, txn, values: dict[bytes, bytes]) -> int:
         now, added, written = self.clock(), 0, 0
         for key, value in values.items():
-            if txn.get(key, db=self.blocks) is not None:
+            meta = txn.get(key, db=self.meta)
+            if meta is not None:  # stored already: the writer just used it
+                created, _, size = _META.unpack(meta)
+                txn.put(key, _META.pack(created, now, size), db=self.meta)
                 continue
             txn.put(key, value, db=self.blocks)
             txn.put(key, _META.pack(now, now, len(value)), db=self.meta)
@@ -407,25 +418,26 @@ class GlobalKVStore:
         with self._begin_read(db=self.info) as txn:
             return _U64.unpack(txn.get(b"bytes"))[0]
 
-    def _make_room(self, incoming: int) -> None:
+    def _make_room(self, incoming: int, keep: frozenset[bytes]) -> None:
         cap = self.config.capacity_bytes
         if incoming > cap:
             raise StoreFullError(f"a batch of {incoming} bytes exceeds the store capacity of {cap} bytes")
         if self.stored_bytes() + incoming <= self.config.high_watermark * cap:
             return
         target = max(0, int(self.config.low_watermark * cap) - incoming)
-        self.gc(target_bytes=target)
+        self.gc(target_bytes=target, keep=keep)
         if self.stored_bytes() + incoming > cap:
             raise StoreFullError(f"store {self.path} is at capacity ({cap} bytes) with entries younger than the "
                                  f"minimum age of {self.config.min_age_s / 3600:g} h; not storing {incoming} bytes")
 
-    def gc(self, target_bytes: int | None = None, ignore_min_age: bool = False) -> int:
-        """Evict least recently used entries old enough to go until at most `target_bytes` (default:
-        the low watermark) are stored; returns how many were evicted. Works on a full disk too: the
-        deletions commit in small batches, on the ballast's room if needed."""
+    def gc(self, target_bytes: int | None = None, ignore_min_age: bool = False,
+           keep: frozenset[bytes] = frozenset()) -> int:
+        """Evict least recently used entries old enough to go, but none in `keep`, until at most
+        `target_bytes` (default: the low watermark) are stored; returns how many were evicted. Works
+        on a full disk too: the deletions commit in small batches, on the ballast's room if needed."""
         self._require_writer()
         target = int(self.config.low_watermark * self.config.capacity_bytes) if target_bytes is None else target_bytes
-        victims = self._victims(target, ignore_min_age)
+        victims = self._victims(target, ignore_min_age, keep)
         evicted = 0
         for start in range(0, len(victims), _EVICT_BATCH):
             batch = victims[start : start + _EVICT_BATCH]
@@ -444,7 +456,7 @@ class GlobalKVStore:
         _crash_point("evict:before-commit")
         return evicted
 
-    def _victims(self, target: int, ignore_min_age: bool) -> list[bytes]:
+    def _victims(self, target: int, ignore_min_age: bool, keep: frozenset[bytes]) -> list[bytes]:
         """Keys to evict, least recently used first, chosen from one snapshot of the metadata (ages
         and sizes read together, so an entry that goes meanwhile cannot be half seen)."""
         now = self.clock()
@@ -455,7 +467,7 @@ class GlobalKVStore:
             candidates = []
             for key, value in txn.cursor(db=self.meta):
                 created, last, size = _META.unpack(value)
-                if ignore_min_age or now - created >= self.config.min_age_s:
+                if key not in keep and (ignore_min_age or now - created >= self.config.min_age_s):
                     candidates.append((last, key, size))
         victims = []
         for _, key, size in sorted(candidates):
