@@ -4,13 +4,16 @@ it after a restart."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 
 import pytest
 import torch
 
 from dsv41 import messages as m
-from dsv41.components.security import generate_keys
+from dsv41.components.runtime import ComponentError, Peer
+from dsv41.components.security import SERVER, generate_keys
 from dsv41.engine.core import InferenceCore
 from dsv41.engine.prefix_cache import CachedPrefill
 from dsv41.model.reference import random_model
@@ -108,6 +111,54 @@ def test_epd_over_tcp_with_curve_keys(prompts, expected, root):
                               security={"keys_dir": str(root / "keys")})
     with Supervisor(pipeline, root / "run") as supervisor:
         assert through_pipeline(supervisor, prompts[:1]) == expected[:1]
+        # a client whose own pair is valid but that trusts another server key: its call fails by its
+        # deadline with a ComponentError (no handshake completes, nothing reaches the component),
+        # and the pipeline goes on serving the clients that hold the right key
+        wrong = root / "wrong-server-key"
+        shutil.copytree(root / "keys", wrong)
+        generate_keys(wrong, names=(SERVER,), overwrite=True)
+        stranger = Peer(supervisor.endpoints["dspark"], "dspark", wrong, timeout_s=1.0)
+        try:
+            with pytest.raises(ComponentError) as refused:
+                stranger.ping(timeout_s=1.0)
+            assert refused.value.code == m.ErrorCode.UNAVAILABLE and refused.value.component == "dspark"
+        finally:
+            stranger.close()
+        assert through_pipeline(supervisor, prompts[:1])[0][0] == expected[0][0]  # now from the prefix cache
+
+
+def test_a_frozen_component_over_tcp_is_marked_down_and_its_request_fails(prompts, expected, root):
+    """The encoder stopped by SIGSTOP keeps its TCP connections open but answers nothing: dspark's
+    heartbeats drop the link and the request fails with the encoder named, long before the request
+    deadline; a ping marks the encoder down (as `dsv41 status` does); once it resumes, the same
+    pipeline serves again."""
+    pipeline = with_overrides(load_pipeline("epd"), model={"config": "micro", "seed": 3, "checkpoint": None},
+                              store={"path": str(root / "kv"), "block_tokens": 16},
+                              generation={"request_timeout_s": 120.0})
+    with Supervisor(pipeline, root / "run") as supervisor:
+        assert through_pipeline(supervisor, prompts[:1]) == expected[:1]
+        encoder = supervisor.pids()["encoder"]
+        os.kill(encoder, signal.SIGSTOP)
+        try:
+            peer = supervisor.peer()
+            try:
+                with pytest.raises(ComponentError) as failed:
+                    list(generate(peer, ids=prompts[2], max_new_tokens=NEW_TOKENS, stop_at_eos=False))
+            finally:
+                peer.close()
+            assert failed.value.code == m.ErrorCode.UNAVAILABLE and "encoder" in str(failed.value)
+            assert "disconnected" in str(failed.value)  # the heartbeat, not the 120 s deadline
+            probe = supervisor.peer("encoder", timeout_s=1.0)
+            try:
+                with pytest.raises(ComponentError) as down:  # a new connection's handshake never completes
+                    probe.ping(timeout_s=1.0)
+                assert down.value.code == m.ErrorCode.UNAVAILABLE and "not reachable" in down.value.text
+            finally:
+                probe.close()
+        finally:
+            os.kill(encoder, signal.SIGCONT)
+        assert supervisor.pids()["encoder"] == encoder  # resumed, not restarted
+        assert through_pipeline(supervisor, prompts[2:])[0][0] == expected[2][0]
 
 
 def test_requests_in_flight_together_are_stepped_in_batches(prompts, root):
