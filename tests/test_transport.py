@@ -708,9 +708,13 @@ def test_a_peer_that_stops_reading_loses_only_its_own_replies(net):
         slow.send_multipart(_tokenize(text, 100_000 + i))
     assert _echo_call(peer, "still served", 1) == list(b"still served")
     deadline = time.monotonic() + 30
-    while (counters := peer.ping(timeout_s=10).counters)["requests"] < 3001:  # every request was handled
+    while (counters := peer.ping(timeout_s=10).counters)["requests"] < 3001:  # every request was received
         assert time.monotonic() < deadline, counters
         time.sleep(0.05)
+    # requests are answered in order, and replies forwarded in order: once a call made now is answered,
+    # every reply to the slow peer has been forwarded or counted as dropped
+    assert _echo_call(peer, "after the flood", 2) == list(b"after the flood")
+    counters = peer.ping(timeout_s=10).counters
     assert counters["unroutable_replies"] >= 1  # far more replies than its queue and the socket buffers hold
     got = 0
     while slow.poll(500):
