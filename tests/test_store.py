@@ -66,13 +66,18 @@ def test_nothing_younger_than_the_minimum_age_is_evicted(tmp_path):
         assert store.gc(target_bytes=5 * BLOCK, ignore_min_age=True) == 4  # the operator may override
 
 
+def fill_in_order(store: GlobalKVStore, clock: Clock, count: int) -> None:
+    """Blocks 0..count-1 stored a second apart (0 the least recently used), then aged past 72 h."""
+    for i in range(count):
+        store.put_many({key(i): payload(i)})
+        clock.now += 1
+    clock.now += 73 * 3600
+
+
 def test_lru_order_beyond_the_minimum_age(tmp_path):
     clock = Clock()
     with open_store(tmp_path, clock, blocks=10, touch_granularity_s=0) as store:
-        for i in range(8):
-            store.put_many({key(i): payload(i)})
-            clock.now += 1
-        clock.now += 73 * 3600
+        fill_in_order(store, clock, 8)
         with store.reader() as r:
             for i in (0, 1, 2):  # recently used again
                 assert r.get(key(i)) is not None
@@ -90,10 +95,7 @@ def test_a_batch_counts_only_its_new_keys_and_keeps_its_stored_ones(tmp_path):
     counts as a use, and the next least recently used entry makes the room."""
     clock = Clock()
     with open_store(tmp_path, clock, blocks=10, touch_granularity_s=0) as store:
-        for i in range(9):
-            store.put_many({key(i): payload(i)})
-            clock.now += 1
-        clock.now += 73 * 3600
+        fill_in_order(store, clock, 9)
         created = {k: c for k, c, *_ in store.entries()}
         assert store.put_many({key(0): payload(0), key(50): payload(50)}) == 1  # 9 + 1 blocks pass 95 %
         entries = {k: (c, last) for k, c, last, *_ in store.entries()}
