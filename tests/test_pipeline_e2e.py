@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 
 import pytest
 import torch
@@ -158,6 +159,7 @@ def test_a_frozen_component_over_tcp_is_marked_down_and_its_request_fails(prompt
         finally:
             os.kill(encoder, signal.SIGCONT)
         assert supervisor.pids()["encoder"] == encoder  # resumed, not restarted
+        supervisor.wait_ready("encoder", time.monotonic() + 30)  # it answers pings again: `dsv41 status` shows it up
         assert through_pipeline(supervisor, prompts[2:])[0][0] == expected[2][0]
 
 
