@@ -318,7 +318,7 @@ def test_a_prompt_that_can_never_fit_the_kv_pages_answers_429():
         status, answer, _ = post(server.url, "/v1/completions", {"model": "micro", "prompt": "hi", "max_tokens": 2})
         assert status == 200 and answer["usage"]["completion_tokens"] == 2
         # The refused prompt's partly taken pages went back, and the short one's once its release reached
-        # each component (the reply can come before the decoder has processed the release and ticked).
+        # each component (dspark sends a finished request's Release after its reply, through the encoder).
         def pages_back() -> bool:
             text = get(server.url, "/metrics")[1]
             return all(metric(text, "dsv41_kv_pages_in_use", f'component="{c}"') == 0 for c in ("encoder", "decoder"))
